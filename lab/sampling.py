@@ -1,0 +1,169 @@
+"""Sampling: logits processors, `sample`, and the speculative acceptance rule (DESIGN.md section 5).
+
+Every function is pure (inputs are never modified) and every random draw comes from an explicit
+`torch.Generator`. Processors follow Hugging Face's semantics and order (repetition penalty, then temperature,
+top-k, top-p, min-p) so a seeded run is comparable with `model.generate`.
+`accept_draft` implements Leviathan et al. 2023, Alg. 1 (also Chen et al. 2023) in the paper's symbols:
+p = target distribution, q = draft distribution.
+Not covered: typical acceptance (lossy, arrives with Medusa), batched acceptance over several sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FILTERED = float("-inf")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Settings of the processor chain; temperature 0 means greedy (argmax)."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def apply_repetition_penalty(logits: torch.Tensor, previous_ids: list[int], penalty: float) -> torch.Tensor:
+    """CTRL (Keskar et al. 2019): seen tokens' logits divided by `penalty` if positive, multiplied if negative."""
+    if penalty == 1.0 or not previous_ids:
+        return logits
+    index = torch.tensor(sorted(set(previous_ids)), device=logits.device)
+    seen = logits.index_select(-1, index)
+    penalized = torch.where(seen < 0, seen * penalty, seen / penalty)
+    return logits.index_copy(-1, index, penalized)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(z / T): T < 1 sharpens, T > 1 flattens. T must be > 0 (T = 0 is greedy, handled by `sample`)."""
+    return logits if temperature in (0.0, 1.0) else logits / temperature
+
+
+def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k largest logits (ties at the k-th value kept, as in HF); k = 0 keeps all."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, FILTERED)
+
+
+def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus (Holtzman et al. 2020): keep the smallest set of top tokens whose probability reaches top_p."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1 - top_p)
+    remove_sorted[..., -1:] = False  # always keep the most likely token
+    remove = remove_sorted.scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, FILTERED)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Min-p (Nguyen et al. 2024): drop tokens with p < min_p * p_max."""
+    if min_p <= 0.0:
+        return logits
+    probs = logits.softmax(dim=-1)
+    threshold = min_p * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, FILTERED)
+
+
+def process_logits(logits: torch.Tensor, config: SamplingConfig, previous_ids: list[int]) -> torch.Tensor:
+    """The whole chain in HF order; returns new logits whose softmax is the distribution sampled from."""
+    logits = apply_repetition_penalty(logits, previous_ids, config.repetition_penalty)
+    if config.greedy:
+        return logits
+    logits = apply_temperature(logits, config.temperature)
+    logits = apply_top_k(logits, config.top_k)
+    logits = apply_top_p(logits, config.top_p)
+    return apply_min_p(logits, config.min_p)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Draw one token id from a probability vector [V] with the given generator."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def choose_token(processed_logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator) -> int:
+    """argmax when greedy, otherwise a draw from softmax(processed_logits)."""
+    if config.greedy:
+        return int(processed_logits.argmax())
+    return sample(processed_logits.softmax(dim=-1), generator)
+
+
+def target_distribution(processed_logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """p used by speculative acceptance: softmax, or one-hot argmax in greedy mode (exact greedy equality)."""
+    if config.greedy:
+        return torch.nn.functional.one_hot(processed_logits.argmax(-1), processed_logits.shape[-1]).float()
+    return processed_logits.softmax(dim=-1)
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Outcome of verifying one draft: accepted prefix, then a recovered token (on a rejection) or a bonus."""
+
+    accepted: list[int]  # draft tokens kept, in order
+    uniforms: list[float]  # u_i drawn for each examined draft token
+    ratios: list[float]  # min(1, p(x_i) / q(x_i)) for each examined draft token
+    recovered: int | None  # token resampled from norm(max(0, p - q)) at the first rejection
+    bonus: int | None  # token sampled from p after the last draft token when all were accepted
+
+    @property
+    def tokens(self) -> list[int]:
+        """Everything this round emits: accepted draft tokens plus the recovered or bonus token."""
+        extra = self.recovered if self.recovered is not None else self.bonus
+        return self.accepted + [extra]
+
+
+def accept_draft(
+    p_target: torch.Tensor,
+    q_draft: torch.Tensor | None,
+    draft_tokens: list[int],
+    generator: torch.Generator,
+) -> Acceptance:
+    """Leviathan et al. 2023, Alg. 1: accept x_i with probability min(1, p_i(x_i) / q_i(x_i)).
+
+    p_target: [gamma + 1, V], row i is the target distribution after the first i draft tokens.
+    q_draft: [gamma, V] draft distributions, or None for a deterministic drafter (q = one-hot at x_i, so the
+    ratio is p_i(x_i) and the residual is p_i without x_i): the output is distributed exactly as p either way.
+    On the first rejection the recovered token is drawn from norm(max(0, p_i - q_i)); when every draft token is
+    accepted a bonus token is drawn from p_gamma.
+    """
+    gamma = len(draft_tokens)
+    if p_target.shape[0] != gamma + 1:
+        raise ValueError(f"p_target needs gamma + 1 = {gamma + 1} rows, got {p_target.shape[0]}")
+    uniforms, ratios = [], []
+    for i, token in enumerate(draft_tokens):
+        p_i = p_target[i]
+        q_i = q_draft[i] if q_draft is not None else torch.zeros_like(p_i).index_fill(0, torch.tensor([token]), 1.0)
+        q_x = float(q_i[token])
+        ratio = 1.0 if q_x <= 0 else min(1.0, float(p_i[token]) / q_x)
+        u = float(torch.rand((), generator=generator))
+        uniforms.append(u)
+        ratios.append(ratio)
+        if u >= ratio:  # reject: resample from the residual
+            residual = (p_i - q_i).clamp_min(0)
+            total = float(residual.sum())
+            residual = residual / total if total > 0 else p_i  # p == q: the residual is empty, p is exact
+            return Acceptance(list(draft_tokens[:i]), uniforms, ratios, sample(residual, generator), None)
+    return Acceptance(list(draft_tokens), uniforms, ratios, None, sample(p_target[gamma], generator))

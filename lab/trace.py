@@ -1,0 +1,218 @@
+"""Trace events, the statistics folded from them, and the versioned JSON trace file (DESIGN.md section 7).
+
+Events are frozen dataclasses of plain Python values (ints, floats, strings, lists of those); each carries the
+step index. Strategies emit them, visualizers and stats read them. This module imports neither torch nor
+gradio, so visualizers can depend on it alone.
+A trace file is JSON: {"format", "version", "strategy", "model", "prompt", "params", "events": [{"kind", ...}]}.
+Loading checks the size, the nesting depth, the version, every event kind and every field's type, and never
+unpickles anything. Detail kinds of later strategies register themselves with `@event_kind`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+TRACE_FORMAT = "decoding-lab-trace"
+TRACE_VERSION = 1
+MAX_TRACE_BYTES = 20_000_000
+MAX_EVENTS = 200_000
+MAX_DEPTH = 8
+
+EVENT_KINDS: dict[str, type] = {}
+
+
+class TraceError(ValueError):
+    """A trace file is malformed, too large or of an unknown version; the message says which."""
+
+
+def event_kind(cls: type) -> type:
+    """Register a frozen event dataclass under its class name (the "kind" field in JSON)."""
+    EVENT_KINDS[cls.__name__] = cls
+    return cls
+
+
+@event_kind
+@dataclass(frozen=True)
+class TokenEmitted:
+    """One token appended to the output. `source` is its provenance: target (sampled or argmax from the
+    target), accepted (a draft token the target accepted), recovered (resampled after a rejection) or bonus."""
+
+    step: int
+    token_id: int
+    text: str
+    source: str
+    t: float  # seconds since the run started
+    top_ids: list[int] = field(default_factory=list)  # alternatives at this step, most likely first
+    top_tokens: list[str] = field(default_factory=list)
+    top_probs: list[float] = field(default_factory=list)  # probabilities of the distribution sampled from
+
+
+@event_kind
+@dataclass(frozen=True)
+class RunFinished:
+    """The run ended: why, how long it took and how many forwards of each model it cost."""
+
+    step: int
+    stop_reason: str  # eos | max_new_tokens | cancelled | error
+    wall_s: float
+    prompt_tokens: int
+    target_forwards: int
+    draft_forwards: int = 0
+
+
+Event = Any  # any registered event dataclass
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Aggregates of a run, folded from its events in one place (`summarize`)."""
+
+    new_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    target_forwards: int
+    forwards_per_token: float
+    stop_reason: str
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def summarize(events: list[Event]) -> Stats:
+    """Fold events into run statistics; works mid-run too (time and forwards from the latest events)."""
+    tokens = [e for e in events if isinstance(e, TokenEmitted)]
+    finished = next((e for e in reversed(events) if isinstance(e, RunFinished)), None)
+    wall = finished.wall_s if finished else (tokens[-1].t if tokens else 0.0)
+    forwards = finished.target_forwards if finished else len({e.step for e in tokens})
+    n = len(tokens)
+    return Stats(
+        new_tokens=n,
+        wall_s=round(wall, 4),
+        tokens_per_s=round(n / wall, 2) if wall > 0 else 0.0,
+        target_forwards=forwards,
+        forwards_per_token=round(forwards / n, 3) if n else 0.0,
+        stop_reason=finished.stop_reason if finished else "running",
+    )
+
+
+@dataclass
+class Trace:
+    """A recorded run: what was asked and every event the strategy emitted."""
+
+    strategy: str
+    model: str
+    prompt: str
+    params: dict
+    events: list[Event] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events if isinstance(e, TokenEmitted))
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [e.token_id for e in self.events if isinstance(e, TokenEmitted)]
+
+
+def event_to_dict(event: Event) -> dict:
+    return {"kind": type(event).__name__, **dataclasses.asdict(event)}
+
+
+def to_json(trace: Trace) -> str:
+    """Serialize a trace to the versioned JSON format."""
+    payload = {
+        "format": TRACE_FORMAT,
+        "version": TRACE_VERSION,
+        "strategy": trace.strategy,
+        "model": trace.model,
+        "prompt": trace.prompt,
+        "params": trace.params,
+        "events": [event_to_dict(e) for e in trace.events],
+    }
+    return json.dumps(payload, ensure_ascii=False, allow_nan=False)
+
+
+def _depth(value: Any, limit: int, level: int = 0) -> None:
+    if level > limit:
+        raise TraceError(f"trace is nested deeper than {limit} levels")
+    if isinstance(value, dict):
+        for item in value.values():
+            _depth(item, limit, level + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _depth(item, limit, level + 1)
+
+
+def _check_type(value: Any, hint: Any, where: str) -> None:
+    """Check one JSON value against a field annotation (int, float, str, bool, list[...], X | None, dict)."""
+    text = str(hint)
+    if "None" in text and value is None:
+        return
+    if text.startswith("list"):
+        if not isinstance(value, list):
+            raise TraceError(f"{where}: expected a list")
+        inner = hint.__args__[0] if getattr(hint, "__args__", None) else Any
+        for i, item in enumerate(value):
+            _check_type(item, inner, f"{where}[{i}]")
+        return
+    if hint is Any or text.startswith("dict"):
+        return
+    base = next((t for t in (bool, int, float, str) if t.__name__ in text), None)
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+        str: isinstance(value, str),
+    }.get(base, True)
+    if not ok:
+        raise TraceError(f"{where}: expected {text}, got {type(value).__name__}")
+
+
+def event_from_dict(data: Any, index: int) -> Event:
+    """Validate and build one event from its JSON object."""
+    if not isinstance(data, dict):
+        raise TraceError(f"events[{index}] is not an object")
+    kind = data.get("kind")
+    cls = EVENT_KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise TraceError(f"events[{index}]: unknown event kind {kind!r}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    extra = set(data) - set(fields) - {"kind"}
+    if extra:
+        raise TraceError(f"events[{index}] ({kind}): unknown fields {sorted(extra)}")
+    values = {}
+    for name, spec in fields.items():
+        if name not in data:
+            if spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
+                raise TraceError(f"events[{index}] ({kind}): missing field {name!r}")
+            continue
+        _check_type(data[name], hints[name], f"events[{index}].{name}")
+        values[name] = data[name]
+    return cls(**values)
+
+
+def from_json(text: str | bytes) -> Trace:
+    """Load a trace file, rejecting anything oversized, too deep, of another version or not matching the schema."""
+    if len(text) > MAX_TRACE_BYTES:
+        raise TraceError(f"trace is {len(text)} bytes; the limit is {MAX_TRACE_BYTES}")
+    try:
+        payload = json.loads(text)
+    except (ValueError, RecursionError) as error:
+        raise TraceError(f"not valid JSON: {error}") from None
+    _depth(payload, MAX_DEPTH)
+    if not isinstance(payload, dict) or payload.get("format") != TRACE_FORMAT:
+        raise TraceError(f"not a Decoding Lab trace (expected format {TRACE_FORMAT!r})")
+    if payload.get("version") != TRACE_VERSION:
+        raise TraceError(f"unsupported trace version {payload.get('version')!r}; this lab reads {TRACE_VERSION}")
+    for key, kind in (("strategy", str), ("model", str), ("prompt", str), ("params", dict), ("events", list)):
+        if not isinstance(payload.get(key), kind):
+            raise TraceError(f"field {key!r} must be a {kind.__name__}")
+    if len(payload["events"]) > MAX_EVENTS:
+        raise TraceError(f"trace has {len(payload['events'])} events; the limit is {MAX_EVENTS}")
+    events = [event_from_dict(item, i) for i, item in enumerate(payload["events"])]
+    return Trace(payload["strategy"], payload["model"], payload["prompt"], payload["params"], events)
