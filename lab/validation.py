@@ -55,8 +55,10 @@ def validate_model_spec(model: Any) -> str:
 
 def validate_seed(seed: Any) -> int:
     try:
+        if isinstance(seed, float) and not seed.is_integer():
+            raise ValueError(seed)
         value = int(seed)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise InputError(f"The seed must be an integer, got {seed!r}.") from None
     if not 0 <= value <= MAX_SEED:
         raise InputError(f"The seed must be between 0 and {MAX_SEED}.")

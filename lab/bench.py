@@ -1,0 +1,280 @@
+"""The benchmark behind `python -m lab bench`: tokens/s of strategies against Hugging Face `generate`.
+
+Covered: every strategy runs every prompt (chat template on) `repeat` times with its default parameters and
+the given `max_new_tokens`; optionally `model.generate(do_sample=False)` runs the same prompt ids on the same
+model, device and dtype as the reference row "hf-generate". Runs are interleaved round-robin (for each prompt
+and repeat: every strategy, then hf-generate) so machine noise hits every row alike, after one untimed warm-up
+run of each row. Per row: median tokens/s (new tokens / wall time of one run, prefill included), speedup
+against the first strategy's median, mean new tokens, forwards per token and the mean of every other numeric
+field of `lab.trace.Stats`. Both paths stop at the same EOS ids, and a strategy's stop reasons are noted.
+Not covered: asserting speeds (tests never do), batching, memory use, sampling in the HF reference row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lab.models import EMBEDDED_MODEL, LoadedModel
+from lab.params import InputError
+from lab.prompts import load_prompts
+from lab.runner import prepare, stream_run
+from lab.trace import Stats, summarize
+from lab.validation import RunRequest, validate_request
+
+HF_ROW = "hf-generate"
+MAX_REPEAT = 100
+WARMUP_TOKENS = 16
+COLUMNS = ("strategy", "median tok/s", "speedup vs first", "tokens", "forwards/token", "notes")
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class RunSample:
+    """One timed run: its tokens/s and the numeric statistics of the run."""
+
+    tokens_per_s: float
+    new_tokens: int
+    metrics: dict[str, float]
+    stop_reason: str
+
+
+@dataclass
+class BenchRow:
+    """Aggregates of one strategy (or of hf-generate) over every prompt and repeat."""
+
+    name: str
+    median_tokens_per_s: float
+    speedup: float
+    mean_new_tokens: float
+    forwards_per_token: float
+    runs: int
+    metrics: dict[str, float] = field(default_factory=dict)  # mean of every numeric Stats field
+    notes: str = ""
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class BenchResult:
+    """What was measured (config) and one row per strategy, hf-generate last."""
+
+    config: dict
+    rows: list[BenchRow]
+
+    def as_dict(self) -> dict:
+        return {"config": self.config, "rows": [row.as_dict() for row in self.rows]}
+
+
+def _numeric_stats(stats: Stats) -> dict[str, float]:
+    """Every int/float field of Stats (new fields such as acceptance rates are picked up automatically)."""
+    values = stats.as_dict()
+    return {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def time_strategy(request: RunRequest, loaded: LoadedModel, prompt_ids: list[int]) -> RunSample:
+    """Run one strategy to the end; tokens/s = new_tokens / wall_s as folded by `summarize`."""
+    events = list(stream_run(request, loaded, prompt_ids))
+    stats = summarize(events)
+    rate = stats.new_tokens / stats.wall_s if stats.wall_s > 0 else 0.0
+    return RunSample(rate, stats.new_tokens, _numeric_stats(stats), stats.stop_reason)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def time_hf_generate(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int) -> RunSample:
+    """Greedy `model.generate` on the same ids; stops at the same EOS ids as the strategies."""
+    eos = list(loaded.eos_token_ids)
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=loaded.device)  # [1, T]
+    attention_mask = torch.ones_like(input_ids)
+    with torch.inference_mode():
+        _synchronize(loaded.device)
+        start = time.perf_counter()
+        output = loaded.model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=eos[0] if eos else None,
+        )  # [1, T + n]
+        _synchronize(loaded.device)
+        wall = time.perf_counter() - start
+    new_tokens = int(output.shape[1] - input_ids.shape[1])
+    stop = "eos" if new_tokens and int(output[0, -1]) in eos else "max_new_tokens"
+    rate = new_tokens / wall if wall > 0 else 0.0
+    metrics = {"new_tokens": new_tokens, "wall_s": wall, "tokens_per_s": rate, "forwards_per_token": 1.0}
+    return RunSample(rate, new_tokens, metrics, stop)
+
+
+def _check_count(name: str, value: int | None, low: int, high: int | None = None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or high is not None and value > high:
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise InputError(f"{name} must be an integer {bound}, got {value!r}.")
+
+
+def build_requests(
+    strategies: list[str], prompts: list[str], max_new_tokens: int, seed: int, model: str, device: str, dtype: str
+) -> dict[str, list[RunRequest]]:
+    """One validated request per strategy and prompt (default params except max_new_tokens)."""
+    names = [name.strip() for name in strategies if name.strip()]
+    if not names:
+        raise InputError("No strategies given; pass e.g. --strategies greedy,sample.")
+    if len(set(names)) != len(names) or HF_ROW in names:
+        raise InputError(f"Strategies must be distinct and not {HF_ROW!r}: got {', '.join(names)}.")
+    params = {"max_new_tokens": max_new_tokens}
+    options = {"chat": True, "seed": seed, "model": model, "device": device, "dtype": dtype}
+    return {name: [validate_request(name, text, params, **options) for text in prompts] for name in names}
+
+
+def _aggregate(name: str, samples: list[RunSample], reference: float | None, note: str = "") -> BenchRow:
+    """Fold the samples of one row; `reference` is the first strategy's median tok/s (None for that row)."""
+    median = statistics.median(s.tokens_per_s for s in samples)
+    keys = sorted({k for s in samples for k in s.metrics})
+    metrics = {k: round(statistics.fmean(s.metrics.get(k, 0.0) for s in samples), 4) for k in keys}
+    stops = Counter(s.stop_reason for s in samples)
+    stop_note = "stops: " + ", ".join(f"{reason} {count}" for reason, count in sorted(stops.items()))
+    return BenchRow(
+        name=name,
+        median_tokens_per_s=round(median, 2),
+        speedup=1.0 if reference is None else (round(median / reference, 3) if reference > 0 else 0.0),
+        mean_new_tokens=round(statistics.fmean(s.new_tokens for s in samples), 2),
+        forwards_per_token=metrics.get("forwards_per_token", 0.0),
+        runs=len(samples),
+        metrics=metrics,
+        notes="; ".join(part for part in (note, stop_note) if part),
+    )
+
+
+def _extra_metrics_note(row: BenchRow) -> str:
+    """Numeric Stats fields not already shown in a column (e.g. acceptance rates of speculative methods)."""
+    shown = {"new_tokens", "wall_s", "tokens_per_s", "forwards_per_token", "target_forwards"}
+    extra = {k: v for k, v in row.metrics.items() if k not in shown}
+    return ", ".join(f"{k} {v:g}" for k, v in extra.items())
+
+
+def _warm_up(requests: dict[str, list[RunRequest]], loaded: LoadedModel, prompt_ids: list[int], hf: bool) -> None:
+    """One untimed short run of every row, so lazy initialisation is not timed."""
+    budget = min(WARMUP_TOKENS, requests[next(iter(requests))][0].params.max_new_tokens)
+    for rows in requests.values():
+        request = dataclasses.replace(rows[0], params=dataclasses.replace(rows[0].params, max_new_tokens=budget))
+        time_strategy(request, loaded, prompt_ids)
+    if hf:
+        time_hf_generate(loaded, prompt_ids, budget)
+
+
+def _measure(
+    requests: dict[str, list[RunRequest]],
+    loaded: LoadedModel,
+    prompt_ids: list[list[int]],
+    repeat: int,
+    hf: bool,
+    progress: Progress | None,
+) -> dict[str, list[RunSample]]:
+    """Round-robin: for each prompt and repeat, every strategy then hf-generate, back to back."""
+    names = list(requests) + ([HF_ROW] if hf else [])
+    samples: dict[str, list[RunSample]] = {name: [] for name in names}
+    total, done = len(prompt_ids) * repeat * len(names), 0
+    max_new_tokens = requests[names[0]][0].params.max_new_tokens
+    for index, ids in enumerate(prompt_ids):
+        for r in range(repeat):
+            for name in names:
+                done += 1
+                if progress:
+                    progress(done, total, f"{name} prompt {index + 1}/{len(prompt_ids)} repeat {r + 1}/{repeat}")
+                if name == HF_ROW:
+                    samples[name].append(time_hf_generate(loaded, ids, max_new_tokens))
+                else:
+                    samples[name].append(time_strategy(requests[name][index], loaded, ids))
+    return samples
+
+
+def _config(loaded: LoadedModel, prompts_source: str, n_prompts: int, **settings: object) -> dict:
+    import transformers
+
+    return {
+        **settings,
+        "prompts": prompts_source,
+        "n_prompts": n_prompts,
+        "model": loaded.spec,
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+    }
+
+
+def run_bench(
+    strategies: list[str],
+    prompts: str = "builtin",
+    *,
+    max_new_tokens: int = 128,
+    repeat: int = 1,
+    model: str = EMBEDDED_MODEL,
+    device: str = "auto",
+    dtype: str = "auto",
+    seed: int = 0,
+    limit: int | None = None,
+    hf: bool = True,
+    progress: Progress | None = None,
+) -> BenchResult:
+    """Measure every strategy (and hf-generate unless `hf` is False); raises InputError / ModelLoadError."""
+    _check_count("repeat", repeat, 1, MAX_REPEAT)
+    _check_count("limit", limit, 1)
+    texts = load_prompts(prompts)[:limit]
+    requests = build_requests(strategies, texts, max_new_tokens, seed, model, device, dtype)
+    first = requests[next(iter(requests))]
+    loaded, _ = prepare(first[0])
+    prompt_ids = [prepare(request)[1] for request in first]  # same ids for every row
+    if progress:
+        progress(0, len(texts) * repeat * (len(requests) + int(hf)), "warm-up")
+    _warm_up(requests, loaded, prompt_ids[0], hf)
+    samples = _measure(requests, loaded, prompt_ids, repeat, hf, progress)
+    rows: list[BenchRow] = []
+    for name, runs in samples.items():
+        reference = rows[0].median_tokens_per_s if rows else None
+        note = "transformers generate, greedy (reference)" if name == HF_ROW else ""
+        rows.append(_aggregate(name, runs, reference, note))
+    settings = {"strategies": list(requests), "max_new_tokens": max_new_tokens, "repeat": repeat, "seed": seed}
+    config = _config(loaded, prompts, len(texts), **settings, limit=limit, hf=hf)
+    return BenchResult(config, rows)
+
+
+def format_table(result: BenchResult) -> str:
+    """A markdown table of the rows, preceded by a one-line description of the configuration."""
+    c = result.config
+    head = (
+        f"{c['model']} on {c['device']} ({c['dtype']}, {c['threads']} threads), {c['n_prompts']} prompts x "
+        f"{c['repeat']} repeat(s), max_new_tokens={c['max_new_tokens']}\n\n"
+    )
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    for row in result.rows:
+        notes = "; ".join(part for part in (row.notes, _extra_metrics_note(row)) if part)
+        cells = (
+            row.name,
+            f"{row.median_tokens_per_s:.2f}",
+            f"{row.speedup:.3f}x",
+            f"{row.mean_new_tokens:.1f}",
+            f"{row.forwards_per_token:.3f}",
+            notes,
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return head + "\n".join(lines)

@@ -1,0 +1,184 @@
+"""Visualizers on hand-built events: the token view's escaping, colours and hover titles, the top-k heatmap's
+grid, labels, hover text, layout and emitted-token markers, the empty states and strategy dispatch."""
+
+from __future__ import annotations
+
+import html
+import re
+
+import plotly.graph_objects as go
+import pytest
+
+from lab.trace import RunFinished, TokenEmitted
+from visualizers import FIGURES, alternatives_table, strategy_figure, token_view_html, topk_figure
+from visualizers.style import ZWNJ, base_layout, display_token, distinct_labels, token_background
+
+HOSTILE = "<script>alert('x')</script>"
+
+
+def _events() -> list:
+    """Six steps: greedy picks, a repeated token, a hostile token, a newline, a rank-3 sample, one outside top-k."""
+    return [
+        TokenEmitted(0, 10, "The", "target", 0.01, [10, 11, 12], ["The", "A", "In"], [0.6, 0.3, 0.1]),
+        TokenEmitted(1, 20, " cat", "accepted", 0.02, [20, 21, 22], [" cat", " dog", " the"], [0.5, 0.4, 0.1]),
+        TokenEmitted(2, 20, " cat", "recovered", 0.03, [20, 23, 24], [" cat", " sat", "&"], [0.7, 0.2, 0.1]),
+        TokenEmitted(3, 30, HOSTILE, "bonus", 0.04, [30, 31, 32], [HOSTILE, "<b>", '"q"'], [0.8, 0.15, 0.05]),
+        TokenEmitted(4, 40, "\n", "target", 0.05, [41, 42, 40], ["x", "y", "\n"], [0.5, 0.3, 0.2]),
+        TokenEmitted(5, 50, "zz", "target", 0.06, [51, 52, 53], ["a", "b", "c"], [0.4, 0.35, 0.25]),
+        RunFinished(6, "max_new_tokens", 0.07, 4, 6),
+    ]
+
+
+def _spans(page: str) -> list[str]:
+    return re.findall(r"<span class=\"dl-token[^>]*>.*?</span>", page, flags=re.S)
+
+
+# --- style helpers ---------------------------------------------------------------------------------------------
+
+
+def test_display_token_makes_whitespace_visible_and_escapes() -> None:
+    assert display_token(" a\nb\t") == "␣a⏎b⇥"
+    assert display_token("") == "∅"
+    assert display_token("<b>&") == "&lt;b&gt;&amp;"
+    assert display_token("<b>", escape=False) == "<b>"
+
+
+def test_distinct_labels_appends_zero_width_non_joiners() -> None:
+    labels = distinct_labels(["a", "b", "a", "a"])
+    assert len(set(labels)) == 4
+    assert [label.replace(ZWNJ, "") for label in labels] == ["a", "b", "a", "a"]
+    assert labels[3] == "a" + ZWNJ * 2
+
+
+def test_base_layout_has_uirevision_and_no_width() -> None:
+    layout = base_layout("t", 300)
+    assert layout["uirevision"] and layout["height"] == 300 and "width" not in layout
+    assert layout["template"] == "none"
+
+
+# --- token view -----------------------------------------------------------------------------------------------
+
+
+def test_token_view_escapes_hostile_tokens() -> None:
+    page = token_view_html(_events())
+    assert "<script>" not in page and "<b>" not in page
+    assert html.escape(HOSTILE, quote=True) in page
+
+
+def test_token_view_has_one_span_per_token_coloured_by_source() -> None:
+    events = _events()
+    spans = _spans(token_view_html(events))
+    tokens = [e for e in events if isinstance(e, TokenEmitted)]
+    assert len(spans) == len(tokens)
+    for span, event in zip(spans, tokens, strict=True):
+        assert f"background: {token_background(event.source)};" in span
+        assert f'data-step="{event.step}"' in span
+    assert len({token_background(s) for s in ("target", "accepted", "recovered", "bonus")}) == 4
+
+
+def test_token_view_titles_list_alternatives_with_probabilities() -> None:
+    spans = _spans(token_view_html(_events()))
+    title = html.unescape(re.search(r'title="([^"]*)"', spans[1]).group(1))
+    assert "' cat'" not in title  # spaces shown visibly
+    assert "'␣cat'  p=0.5000" in title and "'␣dog'  p=0.4000" in title and "'␣the'  p=0.1000" in title
+    hostile_title = re.search(r'title="([^"]*)"', spans[3]).group(1)
+    assert "<" not in hostile_title and "&lt;b&gt;" in hostile_title
+
+
+def test_token_view_shows_newline_and_legend() -> None:
+    page = token_view_html(_events())
+    assert "⏎\n" in _spans(page)[4]
+    legend = re.search(r'<div class="dl-legend".*?</div>', page, flags=re.S).group(0)
+    for source in ("target", "accepted", "recovered", "bonus"):
+        assert source in legend
+    assert "rejected" not in legend
+
+
+def test_token_view_outlines_selected_step_only() -> None:
+    spans = _spans(token_view_html(_events(), selected_step=2))
+    outlined = [i for i, span in enumerate(spans) if "outline:" in span]
+    assert outlined == [2]
+    assert not any("outline:" in span for span in _spans(token_view_html(_events())))
+
+
+@pytest.mark.parametrize("events", [[], [RunFinished(0, "eos", 0.0, 3, 1)]])
+def test_token_view_empty_placeholder(events: list) -> None:
+    page = token_view_html(events)
+    assert "No tokens yet." in page and "dl-token" not in page
+
+
+def test_alternatives_table_rows() -> None:
+    assert alternatives_table(_events(), 1) == [[1, "␣cat", 0.5], [2, "␣dog", 0.4], [3, "␣the", 0.1]]
+    assert alternatives_table(_events(), 3)[0] == [1, HOSTILE, 0.8]
+    assert alternatives_table(_events(), 99) == []
+
+
+# --- top-k figure ---------------------------------------------------------------------------------------------
+
+
+def _heatmap(fig: go.Figure) -> go.Heatmap:
+    return next(t for t in fig.data if isinstance(t, go.Heatmap))
+
+
+def _markers(fig: go.Figure) -> go.Scatter:
+    return next(t for t in fig.data if isinstance(t, go.Scatter))
+
+
+def test_topk_grid_shape_and_axes() -> None:
+    heat = _heatmap(topk_figure(_events()))
+    assert list(heat.x) == [0, 1, 2, 3, 4, 5]
+    assert list(heat.y) == [1, 2, 3]
+    assert len(heat.z) == 3 and all(len(row) == 6 for row in heat.z)
+    assert heat.z[0][0] == 0.6 and heat.z[2][3] == 0.05
+
+
+def test_topk_cell_labels_distinct_for_repeats_and_escaped() -> None:
+    heat = _heatmap(topk_figure(_events()))
+    flat = [label for row in heat.text for label in row]
+    assert len(set(flat)) == len(flat)
+    assert heat.text[0][1] != heat.text[0][2]
+    assert heat.text[0][1].replace(ZWNJ, "") == heat.text[0][2].replace(ZWNJ, "") == "␣cat"
+    assert "<" not in "".join(flat) and "&lt;script&gt;" in heat.text[0][3]
+    assert heat.text[2][4].replace(ZWNJ, "") == "⏎"
+
+
+def test_topk_hover_carries_step_rank_token_probability() -> None:
+    heat = _heatmap(topk_figure(_events()))
+    hover = heat.customdata[1][0]
+    assert "step 0" in hover and "rank 2" in hover and "A" in hover and "p = 0.3000" in hover
+    assert "%{customdata}" in heat.hovertemplate
+
+
+def test_topk_layout_height_only_with_uirevision() -> None:
+    fig = topk_figure(_events())
+    assert fig.layout.uirevision and fig.layout.height and fig.layout.width is None
+    assert fig.layout.yaxis.autorange == "reversed"
+
+
+def test_topk_marks_emitted_rank_and_skips_tokens_outside_topk() -> None:
+    marks = _markers(topk_figure(_events()))
+    # steps 0-3 emit rank 1, step 4 (the newline) was sampled at rank 3, step 5's token is not in its top-k
+    assert list(marks.x) == [0, 1, 2, 3, 4]
+    assert list(marks.y) == [1, 1, 1, 1, 3]
+
+
+def test_topk_keeps_last_max_steps() -> None:
+    fig = topk_figure(_events(), max_steps=2)
+    assert list(_heatmap(fig).x) == [4, 5]
+    assert list(_markers(fig).x) == [4]
+
+
+def test_topk_empty_state() -> None:
+    for events in ([], [RunFinished(0, "eos", 0.0, 3, 1)]):
+        fig = topk_figure(events)
+        assert not fig.data
+        assert "No tokens yet" in fig.layout.annotations[0].text
+        assert fig.layout.uirevision and fig.layout.width is None
+
+
+def test_strategy_figure_dispatch_and_fallback() -> None:
+    assert FIGURES["greedy"] is topk_figure and FIGURES["sample"] is topk_figure
+    known = strategy_figure("greedy", _events())
+    unknown = strategy_figure("no-such-strategy", _events())
+    assert known.to_plotly_json() == unknown.to_plotly_json()
+    assert isinstance(_heatmap(unknown), go.Heatmap)
