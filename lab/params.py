@@ -83,6 +83,8 @@ def param_specs(params_cls: type) -> list[ParamSpec]:
 
 def _coerce(spec: ParamSpec, value: Any) -> Any:
     """Turn a CLI string or JSON value into the declared type, or raise InputError."""
+    if spec.type in ("int", "float") and isinstance(value, bool):
+        raise InputError(f"Parameter {spec.name!r} must be a {spec.type}, got {value!r}.")
     try:
         if spec.type == "bool":
             if isinstance(value, str):

@@ -23,7 +23,8 @@ class ForwardOutput:
     """Logits of the positions that were asked for and, when requested, every layer's hidden states."""
 
     logits: torch.Tensor  # [T, V] float32
-    hidden_states: tuple[torch.Tensor, ...] | None = None  # (L + 1) x [T, H]; [0] = embeddings
+    # (L + 1) x [T, H]: [0] = embeddings, [l] = after layer l; as in HF, [L] is already through the final norm
+    hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
@@ -105,7 +106,11 @@ def verify_tree(state: DecodeState, tree: TreeAttention, token_ids: list[int], *
 
 @torch.inference_mode()
 def early_exit_logits(loaded: LoadedModel, hidden: torch.Tensor, *, apply_norm: bool = False) -> torch.Tensor:
-    """Logit-lens / early exit: lm_head(h_l), or lm_head(norm(h_l)) when `apply_norm` (float32 [T, V])."""
+    """Logit-lens / early exit: lm_head(h_l), or lm_head(norm(h_l)) when `apply_norm` (float32 [T, V]).
+
+    For l < L this is the early exit DoLa uses; hidden_states[L] is already normalized, so lm_head(h_L) is the
+    model's own final logits (do not pass apply_norm for it).
+    """
     if apply_norm:
         hidden = loaded.final_norm(hidden)
     return loaded.lm_head(hidden).float()
@@ -113,7 +118,9 @@ def early_exit_logits(loaded: LoadedModel, hidden: torch.Tensor, *, apply_norm: 
 
 def crop(state: DecodeState, length: int) -> None:
     """Roll the cache back to its first `length` positions (rejected chain tokens are forgotten)."""
-    state.cache.crop(length)
+    if not 0 <= length <= state.length:
+        raise ValueError(f"cannot crop a cache of {state.length} positions to {length}")
+    state.cache.crop(length - state.length)  # transformers 5.x: crop(-n) drops the last n positions
     del state.tokens[length:]
 
 

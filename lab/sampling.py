@@ -28,15 +28,15 @@ class SamplingConfig:
     repetition_penalty: float = 1.0  # 1 = off
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # written positively so NaN fails too
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
+        if not self.top_k >= 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
+        if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
     @property
@@ -155,10 +155,11 @@ def accept_draft(
     uniforms, ratios = [], []
     for i, token in enumerate(draft_tokens):
         p_i = p_target[i]
-        q_i = q_draft[i] if q_draft is not None else torch.zeros_like(p_i).index_fill(0, torch.tensor([token]), 1.0)
+        one_hot = torch.zeros_like(p_i).index_fill(0, torch.tensor([token], device=p_i.device), 1.0)
+        q_i = q_draft[i] if q_draft is not None else one_hot
         q_x = float(q_i[token])
         ratio = 1.0 if q_x <= 0 else min(1.0, float(p_i[token]) / q_x)
-        u = float(torch.rand((), generator=generator))
+        u = float(torch.rand((), generator=generator, device=generator.device))
         uniforms.append(u)
         ratios.append(ratio)
         if u >= ratio:  # reject: resample from the residual

@@ -147,6 +147,17 @@ def _depth(value: Any, limit: int, level: int = 0) -> None:
             _depth(item, limit, level + 1)
 
 
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # a huge JSON integer
+        return False
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not allowed in a trace")
+
+
 def _check_type(value: Any, hint: Any, where: str) -> None:
     """Check one JSON value against a field annotation (int, float, str, bool, list[...], X | None, dict)."""
     text = str(hint)
@@ -165,11 +176,13 @@ def _check_type(value: Any, hint: Any, where: str) -> None:
     ok = {
         bool: isinstance(value, bool),
         int: isinstance(value, int) and not isinstance(value, bool),
-        float: isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value),
         str: isinstance(value, str),
     }.get(base, True)
     if not ok:
-        raise TraceError(f"{where}: expected {text}, got {type(value).__name__}")
+        expected = getattr(hint, "__name__", text)
+        got = "a non-finite number" if base is float and isinstance(value, (int, float)) else type(value).__name__
+        raise TraceError(f"{where}: expected {expected}, got {got}")
 
 
 def event_from_dict(data: Any, index: int) -> Event:
@@ -198,16 +211,18 @@ def event_from_dict(data: Any, index: int) -> Event:
 
 def from_json(text: str | bytes) -> Trace:
     """Load a trace file, rejecting anything oversized, too deep, of another version or not matching the schema."""
-    if len(text) > MAX_TRACE_BYTES:
-        raise TraceError(f"trace is {len(text)} bytes; the limit is {MAX_TRACE_BYTES}")
+    size = len(text) if isinstance(text, (bytes, bytearray)) else len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_TRACE_BYTES:
+        raise TraceError(f"trace is {size} bytes; the limit is {MAX_TRACE_BYTES}")
     try:
-        payload = json.loads(text)
+        payload = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as error:
         raise TraceError(f"not valid JSON: {error}") from None
     _depth(payload, MAX_DEPTH)
     if not isinstance(payload, dict) or payload.get("format") != TRACE_FORMAT:
         raise TraceError(f"not a Decoding Lab trace (expected format {TRACE_FORMAT!r})")
-    if payload.get("version") != TRACE_VERSION:
+    version = payload.get("version")
+    if type(version) is not int or version != TRACE_VERSION:
         raise TraceError(f"unsupported trace version {payload.get('version')!r}; this lab reads {TRACE_VERSION}")
     for key, kind in (("strategy", str), ("model", str), ("prompt", str), ("params", dict), ("events", list)):
         if not isinstance(payload.get(key), kind):

@@ -59,12 +59,13 @@ def decode_loop(
             token = choose_token(processed, config, generator)  # 2.
             generated.append(token)
             top_ids, top_tokens, top_probs = top_alternatives(processed, loaded)
-            text = detokenizer.push(token)
+            is_eos, is_last = token in loaded.eos_token_ids, step + 1 == max_new_tokens
+            text = detokenizer.push(token) + (detokenizer.flush() if is_eos or is_last else "")
             yield TokenEmitted(step, token, text, "target", time.perf_counter() - start, top_ids, top_tokens, top_probs)
-            if token in loaded.eos_token_ids:  # 4.
+            if is_eos:  # 4.
                 stop_reason = "eos"
                 break
-            if step + 1 < max_new_tokens:
+            if not is_last:
                 out = runtime.decode_step(state, token)  # 5. [1, V]
         yield RunFinished(len(generated), stop_reason, time.perf_counter() - start, len(prompt_ids), state.forwards)
     finally:
