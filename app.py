@@ -19,7 +19,6 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import gradio as gr
@@ -71,7 +70,9 @@ def param_control(spec) -> gr.components.Component:
         step = 1 if spec.type == "int" else 0.01
         return gr.Slider(spec.low, spec.high, value=spec.default, step=step, label=spec.name, info=spec.help)
     if spec.type in ("int", "float"):
-        return gr.Number(value=spec.default, label=spec.name, info=spec.help, precision=0 if spec.type == "int" else None)
+        return gr.Number(
+            value=spec.default, label=spec.name, info=spec.help, precision=0 if spec.type == "int" else None
+        )
     return gr.Textbox(value=spec.default, label=spec.name, info=spec.help)
 
 
@@ -84,9 +85,15 @@ def stats_markdown(trace: Trace, status: str = "") -> str:
         ("forwards/token", stats.forwards_per_token),
         ("stop", status or stats.stop_reason),
     ]
-    return "| " + " | ".join(k for k, _ in rows) + " |\n|" + "---|" * len(rows) + "\n| " + " | ".join(
-        str(v) for _, v in rows
-    ) + " |"
+    return (
+        "| "
+        + " | ".join(k for k, _ in rows)
+        + " |\n|"
+        + "---|" * len(rows)
+        + "\n| "
+        + " | ".join(str(v) for _, v in rows)
+        + " |"
+    )
 
 
 def write_trace_file(trace_json: str) -> str:
@@ -117,7 +124,9 @@ def render(trace: Trace, final: bool, status: str = "") -> list:
 def stream_outputs(strategy: str, prompt: str, params: dict, chat: bool, seed, model: str, device: str, dtype: str):
     """Validate, load, then stream throttled renders of the strategy's events until it ends or is stopped."""
     try:
-        request = validate_request(strategy, prompt, params, chat=chat, seed=seed, model=model, device=device, dtype=dtype)
+        request = validate_request(
+            strategy, prompt, params, chat=chat, seed=seed, model=model, device=device, dtype=dtype
+        )
     except InputError as error:
         raise gr.Error(str(error)) from None
     trace = new_trace(request)
@@ -203,7 +212,9 @@ def build_app() -> gr.Blocks:
                 strategy = gr.Dropdown(strategy_choices(), value="greedy", label="Strategy")
                 info = gr.Markdown(strategy_info("greedy"))
                 groups, controls = build_controls()
-                max_new_tokens = gr.Slider(1, 1024, value=COMMON_DEFAULTS.max_new_tokens, step=1, label="max_new_tokens")
+                max_new_tokens = gr.Slider(
+                    1, 1024, value=COMMON_DEFAULTS.max_new_tokens, step=1, label="max_new_tokens"
+                )
                 seed = gr.Number(value=0, precision=0, minimum=0, label="seed")
             with gr.Column(scale=3):
                 prompt = gr.Textbox(label="Prompt", lines=4, placeholder="Ask the model something…")

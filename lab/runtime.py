@@ -73,7 +73,9 @@ def forward(
     return ForwardOutput(out.logits[0].float(), hidden)  # [T, V]
 
 
-def prefill(loaded: LoadedModel, prompt_ids: list[int], *, hidden_states: bool = False) -> tuple[DecodeState, ForwardOutput]:
+def prefill(
+    loaded: LoadedModel, prompt_ids: list[int], *, hidden_states: bool = False
+) -> tuple[DecodeState, ForwardOutput]:
     """Encode the prompt into a fresh cache; returns the state and the logits of the last prompt position."""
     if not prompt_ids:
         raise ValueError("prefill needs at least one prompt token")
@@ -91,7 +93,9 @@ def verify(state: DecodeState, token_ids: list[int], *, hidden_states: bool = Fa
     return forward(state, token_ids, hidden_states=hidden_states)
 
 
-def verify_tree(state: DecodeState, tree: TreeAttention, token_ids: list[int], *, hidden_states: bool = False) -> ForwardOutput:
+def verify_tree(
+    state: DecodeState, tree: TreeAttention, token_ids: list[int], *, hidden_states: bool = False
+) -> ForwardOutput:
     """Score every node of a draft tree in one forward with the tree attention mask (DESIGN.md 4).
 
     Node i attends to the whole cached prefix and to its ancestors in the tree; its position is

@@ -86,7 +86,14 @@ def validate_request(
     if dtype != "auto" and dtype not in DTYPES:
         raise InputError(f"Unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}.")
     return RunRequest(
-        found, built, validate_prompt(prompt), bool(chat), validate_seed(seed), validate_model_spec(model), device, dtype
+        found,
+        built,
+        validate_prompt(prompt),
+        bool(chat),
+        validate_seed(seed),
+        validate_model_spec(model),
+        device,
+        dtype,
     )
 
 

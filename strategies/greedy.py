@@ -25,7 +25,9 @@ class GreedyParams(DecodeParams):
     )
 
 
-def run(loaded: LoadedModel, prompt_ids: list[int], params: GreedyParams, generator: torch.Generator) -> Iterator[Event]:
+def run(
+    loaded: LoadedModel, prompt_ids: list[int], params: GreedyParams, generator: torch.Generator
+) -> Iterator[Event]:
     config = SamplingConfig(temperature=0.0, repetition_penalty=params.repetition_penalty)
     return decode_loop(loaded, prompt_ids, config, params.max_new_tokens, generator)
 

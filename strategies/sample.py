@@ -72,7 +72,9 @@ def decode_loop(
         state.cache.reset()
 
 
-def run(loaded: LoadedModel, prompt_ids: list[int], params: SampleParams, generator: torch.Generator) -> Iterator[Event]:
+def run(
+    loaded: LoadedModel, prompt_ids: list[int], params: SampleParams, generator: torch.Generator
+) -> Iterator[Event]:
     config = SamplingConfig(params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty)
     return decode_loop(loaded, prompt_ids, config, params.max_new_tokens, generator)
 
