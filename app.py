@@ -8,7 +8,8 @@ the KV cache. Renders are throttled to about 5 per second. No user data lives in
 `python app.py` serves at http://127.0.0.1:7860 (GRADIO_SERVER_NAME / GRADIO_SERVER_PORT override) and warms the
 embedded model in the background. The stable API endpoint `/run` (gradio_client) takes
 (model, strategy, prompt, chat, max_new_tokens, seed, params_json) and streams
-(token_html, figure, stats, text, trace_json, trace_file); the final update carries every output.
+(token_html, figure, stats, text, trace_json, trace_file, detail figures...); the final update carries every
+output.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from lab.runner import new_trace, prepare, stream_run
 from lab.trace import Trace, summarize, to_json
 from lab.validation import validate_request
 from strategies import REGISTRY, by_family
-from visualizers import strategy_figure, token_view_html
+from visualizers import empty_figure, strategy_figures, strategy_token_view
 
 RENDER_INTERVAL_S = 0.2
 MAX_RUN_SECONDS = 300
@@ -46,6 +47,7 @@ MODEL_CHOICES = [
 TRACE_DIR = Path(tempfile.gettempdir()) / "decoding-lab-traces"
 MAX_TRACE_FILES = 200
 COMMON_DEFAULTS = DecodeParams()
+MAX_FIGURES = 4  # plot slots: a strategy's main view first, then its detail views
 
 
 def strategy_choices() -> list[tuple[str, str]]:
@@ -108,17 +110,18 @@ def write_trace_file(trace_json: str) -> str:
 
 
 def render(trace: Trace, final: bool, status: str = "") -> list:
-    """One update of every output; the trace JSON and file only at the end (gr.skip() while streaming)."""
-    outputs = [
-        token_view_html(trace.events),
-        strategy_figure(trace.strategy, trace.events),
-        stats_markdown(trace, status),
-        trace.text,
-    ]
+    """One update of every output; the trace JSON and file only at the end (gr.skip() while streaming).
+
+    Order: token view, main figure, stats, text, trace JSON, trace file, then the detail figures (hidden slots
+    for strategies with fewer views)."""
+    figures = strategy_figures(trace.strategy, trace.events)[:MAX_FIGURES]
+    details = [gr.Plot(value=f, visible=True) for f in figures[1:]]
+    details += [gr.Plot(visible=False)] * (MAX_FIGURES - len(figures))
+    outputs = [strategy_token_view(trace.strategy, trace.events), figures[0], stats_markdown(trace, status), trace.text]
     if not final:
-        return outputs + [gr.skip(), gr.skip()]
+        return outputs + [gr.skip(), gr.skip(), *details]
     trace_json = to_json(trace)
-    return outputs + [trace_json, write_trace_file(trace_json)]
+    return outputs + [trace_json, write_trace_file(trace_json), *details]
 
 
 def stream_outputs(strategy: str, prompt: str, params: dict, chat: bool, seed, model: str, device: str, dtype: str):
@@ -130,7 +133,8 @@ def stream_outputs(strategy: str, prompt: str, params: dict, chat: bool, seed, m
     except InputError as error:
         raise gr.Error(str(error)) from None
     trace = new_trace(request)
-    yield [gr.skip(), gr.skip(), stats_markdown(trace, f"loading {request.model} …"), "", gr.skip(), gr.skip()]
+    loading = stats_markdown(trace, f"loading {request.model} …")
+    yield [gr.skip(), empty_figure(), loading, "", gr.skip(), gr.skip()] + [gr.skip()] * (MAX_FIGURES - 1)
     try:
         loaded, prompt_ids = prepare(request)
     except (InputError, ModelLoadError) as error:
@@ -225,6 +229,7 @@ def build_app() -> gr.Blocks:
                 stats = gr.Markdown()
                 tokens = gr.HTML(label="Tokens")
                 figure = gr.Plot(label="Internals")
+                detail_plots = [gr.Plot(visible=False, label="Details") for _ in range(MAX_FIGURES - 1)]
                 text = gr.Textbox(label="Text", lines=4, interactive=False)
                 trace_file = gr.File(label="Trace (JSON)", interactive=False)
                 trace_json = gr.Textbox(visible=False)
@@ -241,7 +246,7 @@ def build_app() -> gr.Blocks:
             params["max_new_tokens"] = max_new_
             yield from stream_outputs(strategy_, prompt_, params, chat_, seed_, model_, device_, dtype_)
 
-        outputs = [tokens, figure, stats, text, trace_json, trace_file]
+        outputs = [tokens, figure, stats, text, trace_json, trace_file, *detail_plots]
         shared = {"concurrency_id": "model", "concurrency_limit": 1, "time_limit": MAX_RUN_SECONDS + 120}
         ui_inputs = [model, device, dtype, strategy, prompt, chat, max_new_tokens, seed, *(c for _, _, c in controls)]
         ui_event = run.click(run_ui, ui_inputs, outputs, api_visibility="private", **shared)

@@ -64,6 +64,12 @@ class RunFinished:
     draft_forwards: int = 0
 
 
+# --- logit-level detail events (DoLa) ---
+
+# --- logit-level detail events (CFG) ---
+
+# --- logit-level detail events (Mirostat) ---
+
 Event = Any  # any registered event dataclass
 
 

@@ -50,7 +50,7 @@ def test_run_streams_updates_and_returns_text_and_trace(client):
     final = job.result(timeout=300)
     updates = job.outputs()
     assert len(updates) >= 2, "expected at least the loading update and the final one"
-    html, _figure, stats, text, trace_json, _file = final
+    html, _figure, stats, text, trace_json, _file, *_details = final
     assert text.strip()
     trace = from_json(trace_json)
     assert trace.strategy == "greedy" and trace.text == text

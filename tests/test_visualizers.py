@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 import pytest
 
 from lab.trace import RunFinished, TokenEmitted
-from visualizers import FIGURES, alternatives_table, strategy_figure, token_view_html, topk_figure
+from visualizers import VIEWS, alternatives_table, strategy_figure, strategy_token_view, token_view_html, topk_figure
 from visualizers.style import ZWNJ, base_layout, display_token, distinct_labels, token_background
 
 HOSTILE = "<script>alert('x')</script>"
@@ -177,8 +177,16 @@ def test_topk_empty_state() -> None:
 
 
 def test_strategy_figure_dispatch_and_fallback() -> None:
-    assert FIGURES["greedy"] is topk_figure and FIGURES["sample"] is topk_figure
+    assert VIEWS["greedy"].figures == (topk_figure,) and VIEWS["sample"].figures == (topk_figure,)
     known = strategy_figure("greedy", _events())
     unknown = strategy_figure("no-such-strategy", _events())
     assert known.to_plotly_json() == unknown.to_plotly_json()
     assert isinstance(_heatmap(unknown), go.Heatmap)
+
+
+def test_highlighted_steps_are_underlined_and_explained() -> None:
+    html_text = token_view_html(_events(), highlight_steps={1}, highlight_label="differs from greedy")
+    spans = html_text.split('<span class="dl-token')[1:]
+    assert "underline" in spans[1] and not any("underline" in s for i, s in enumerate(spans) if i != 1)
+    assert "differs from greedy" in html_text
+    assert "underline" not in strategy_token_view("greedy", _events())

@@ -1,15 +1,16 @@
 """Visualizers: pure functions from trace events to plotly figures and HTML token views (DESIGN.md section 8).
 
 Covers: the token view (`token_view_html`, `alternatives_table`), the baseline top-k heatmap (`topk_figure`,
-`empty_figure`) and `strategy_figure`, which picks a strategy's main figure by name through `FIGURES`
-(greedy and sample use the top-k chart; unknown names fall back to it). Shared colours and layout live in
-`visualizers.style`. This package imports plotly, the standard library and `lab.trace` only: never torch or
-gradio (tests/test_boundaries.py enforces it). Not covered yet: the detail views of later strategies.
+`empty_figure`) and the per-strategy view registry `VIEWS`: each strategy names the figures it draws (in order,
+the first is its main live view) and optionally the steps the token view should highlight. Unknown strategies
+fall back to the baseline view. Shared colours and layout live in `visualizers.style`. This package imports
+plotly, the standard library and `lab.trace` only: never torch or gradio (tests/test_boundaries.py enforces it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
@@ -20,27 +21,58 @@ from visualizers.topk import empty_figure, topk_figure
 
 FigureFn = Callable[[list[Event]], go.Figure]
 
-FIGURES: dict[str, FigureFn] = {
-    "greedy": topk_figure,
-    "sample": topk_figure,
+
+@dataclass(frozen=True)
+class StrategyView:
+    """What the lab draws for a strategy: figures (main view first) and token-view highlights."""
+
+    figures: tuple[FigureFn, ...]
+    highlight_steps: Callable[[list[Event]], set[int]] | None = None
+    highlight_label: str = ""
+
+
+BASELINE_VIEW = StrategyView(figures=(topk_figure,))
+
+VIEWS: dict[str, StrategyView] = {
+    "greedy": BASELINE_VIEW,
+    "sample": BASELINE_VIEW,
 }
+
+
+def strategy_view(strategy_name: str) -> StrategyView:
+    return VIEWS.get(strategy_name, BASELINE_VIEW)
+
+
+def strategy_figures(strategy_name: str, events: list[Event]) -> list[go.Figure]:
+    """Every live figure of a strategy, main view first."""
+    return [figure(events) for figure in strategy_view(strategy_name).figures]
 
 
 def strategy_figure(strategy_name: str, events: list[Event]) -> go.Figure:
     """The main live figure of a strategy, chosen by its name; unknown names get the top-k chart."""
-    return FIGURES.get(strategy_name, topk_figure)(events)
+    return strategy_view(strategy_name).figures[0](events)
+
+
+def strategy_token_view(strategy_name: str, events: list[Event], selected_step: int | None = None) -> str:
+    """The token view with the strategy's highlighted steps (if it defines any)."""
+    view = strategy_view(strategy_name)
+    steps = view.highlight_steps(events) if view.highlight_steps else set()
+    return token_view_html(events, selected_step, steps, view.highlight_label)
 
 
 __all__ = [
-    "FIGURES",
     "STATUS_COLORS",
     "TOKEN_BACKGROUNDS",
+    "VIEWS",
+    "StrategyView",
     "alternatives_table",
     "base_layout",
     "display_token",
     "distinct_labels",
     "empty_figure",
     "strategy_figure",
+    "strategy_figures",
+    "strategy_token_view",
     "token_view_html",
     "topk_figure",
 ]

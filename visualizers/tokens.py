@@ -23,6 +23,7 @@ _CONTAINER_STYLE = (
 )
 _SPAN_STYLE = "background: {bg}; border-radius: 3px; padding: 1px 0; margin: 0 1px 0 0; cursor: pointer;"
 _SELECTED_STYLE = f" outline: 2px solid {SELECTED_OUTLINE}; outline-offset: 1px;"
+_HIGHLIGHT_STYLE = " text-decoration: underline wavy #7c3aed 2px; text-underline-offset: 3px;"
 
 
 def _tokens(events: list[Event]) -> list[TokenEmitted]:
@@ -45,10 +46,12 @@ def _hover_title(event: TokenEmitted) -> str:
     return "\n".join(lines)
 
 
-def _token_span(index: int, event: TokenEmitted, selected_step: int | None) -> str:
+def _token_span(index: int, event: TokenEmitted, selected_step: int | None, highlighted: bool = False) -> str:
     style = _SPAN_STYLE.format(bg=token_background(event.source))
     if selected_step is not None and event.step == selected_step:
         style += _SELECTED_STYLE
+    if highlighted:
+        style += _HIGHLIGHT_STYLE
     title = html.escape(_hover_title(event), quote=True)
     source = html.escape(event.source, quote=True)
     return (
@@ -72,15 +75,24 @@ def _legend(sources: list[str]) -> str:
     return f'<div class="dl-legend" style="{style}">{"".join(items)}</div>'
 
 
-def token_view_html(events: list[Event], selected_step: int | None = None) -> str:
+def token_view_html(
+    events: list[Event],
+    selected_step: int | None = None,
+    highlight_steps: set[int] | frozenset[int] = frozenset(),
+    highlight_label: str = "",
+) -> str:
     """The generated text as one coloured <span> per TokenEmitted (background = `source`), each with a hover
     title listing the top-k alternatives and probabilities and a `data-step` attribute; spans of
-    `selected_step` are outlined. Returns a placeholder paragraph when no token was emitted yet."""
+    `selected_step` are outlined, spans of `highlight_steps` underlined (e.g. where DoLa differs from greedy,
+    explained by `highlight_label` in the legend). Returns a placeholder paragraph when no token was emitted yet."""
     tokens = _tokens(events)
     if not tokens:
         return f'<p class="dl-placeholder" style="color: #64748b; font-style: italic;">{PLACEHOLDER}</p>'
-    spans = "".join(_token_span(i, e, selected_step) for i, e in enumerate(tokens))
+    spans = "".join(_token_span(i, e, selected_step, e.step in highlight_steps) for i, e in enumerate(tokens))
     legend = _legend([e.source for e in tokens])
+    if highlight_steps and highlight_label:
+        note = f'<span style="{_HIGHLIGHT_STYLE} padding: 0 0.3em;">{html.escape(highlight_label)}</span>'
+        legend = legend.replace("</div>", f"{note}</div>", 1)
     return f'<div class="dl-token-view">{legend}<div class="dl-tokens" style="{_CONTAINER_STYLE}">{spans}</div></div>'
 
 
