@@ -28,10 +28,10 @@ from lab.models import EMBEDDED_MODEL, ModelLoadError, load_model
 from lab.params import DecodeParams, InputError, param_specs
 from lab.prompts import BUILTIN_PROMPTS
 from lab.runner import new_trace, prepare, stream_run
-from lab.trace import Trace, summarize, to_json
+from lab.trace import Trace, TraceError, from_json, summarize, to_json
 from lab.validation import validate_request
 from strategies import REGISTRY, by_family
-from visualizers import empty_figure, strategy_figures, strategy_token_view
+from visualizers import empty_figure, inspect_step, strategy_figures, strategy_token_view, strategy_view
 
 RENDER_INTERVAL_S = 0.2
 MAX_RUN_SECONDS = 300
@@ -189,6 +189,18 @@ def build_controls() -> tuple[dict[str, gr.Group], list[tuple[str, str, gr.compo
     return groups, controls
 
 
+def inspect_trace(trace_json: str, step: float, gamma: float):
+    """Re-render one step of the last run from its trace (no model work): the strategy's own inspector."""
+    if not trace_json:
+        return empty_figure("Inspect a step", "Run a strategy first"), gr.skip()
+    try:
+        trace = from_json(trace_json)
+    except TraceError as error:
+        raise gr.Error(f"Cannot read the trace: {error}") from None
+    figure = inspect_step(trace.strategy, trace.events, int(step or 0), gamma=gamma)
+    return figure, gr.Slider(visible="gamma" in strategy_view(trace.strategy).knobs)
+
+
 def build_api_inputs() -> tuple[list[gr.components.Component], gr.Button]:
     """Hidden, unconstrained inputs of the `/run` endpoint, so every value reaches `lab.validation`."""
     inputs = [
@@ -231,6 +243,11 @@ def build_app() -> gr.Blocks:
                 figure = gr.Plot(label="Internals")
                 detail_plots = [gr.Plot(visible=False, label="Details") for _ in range(MAX_FIGURES - 1)]
                 text = gr.Textbox(label="Text", lines=4, interactive=False)
+                with gr.Accordion("Inspect a step (re-rendered from the trace, no model run)", open=False):
+                    with gr.Row():
+                        inspect_step_number = gr.Number(value=0, precision=0, minimum=0, label="step")
+                        inspect_gamma = gr.Slider(0.0, 5.0, value=1.5, step=0.1, label="gamma", visible=False)
+                    inspect_plot = gr.Plot(label="Step detail")
                 trace_file = gr.File(label="Trace (JSON)", interactive=False)
                 trace_json = gr.Textbox(visible=False)
                 gr.Examples([[p.text] for p in BUILTIN_PROMPTS], inputs=[prompt], label="Example prompts")
@@ -253,6 +270,15 @@ def build_app() -> gr.Blocks:
         submit_event = prompt.submit(run_ui, ui_inputs, outputs, api_visibility="private", **shared)
         api_event = api_trigger.click(run_api, api_inputs, outputs, api_name="run", **shared)
         stop.click(None, None, None, cancels=[ui_event, submit_event, api_event])
+        inspect_inputs = [trace_json, inspect_step_number, inspect_gamma]
+        gr.on(
+            [trace_json.change, inspect_step_number.change, inspect_gamma.release],
+            inspect_trace,
+            inspect_inputs,
+            [inspect_plot, inspect_gamma],
+            api_visibility="private",
+            concurrency_id="inspect",
+        )
     demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=1)
     return demo
 

@@ -95,3 +95,12 @@ def test_bad_input_gives_clear_error_and_server_keeps_serving(client, kwargs, me
     with pytest.raises(Exception, match=message):
         submit(client, **kwargs).result(timeout=120)
     assert submit(client, max_new_tokens=2).result(timeout=120)[3] is not None
+
+
+def test_inspector_rerenders_a_step_from_the_trace_and_rejects_bad_traces(client):
+    trace_json = submit(client, max_new_tokens=4).result(timeout=120)[4]
+    figure, _gamma = app.inspect_trace(trace_json, 1, 1.5)
+    step_one = [e for e in from_json(trace_json).events if getattr(e, "step", None) == 1][0]
+    assert list(figure.data[0].x) == step_one.top_probs
+    with pytest.raises(Exception, match="Cannot read the trace"):
+        app.inspect_trace('{"format": "nope"}', 0, 1.5)

@@ -190,3 +190,15 @@ def test_highlighted_steps_are_underlined_and_explained() -> None:
     assert "underline" in spans[1] and not any("underline" in s for i, s in enumerate(spans) if i != 1)
     assert "differs from greedy" in html_text
     assert "underline" not in strategy_token_view("greedy", _events())
+
+
+def test_inspect_step_draws_the_steps_alternatives_and_drops_unknown_knobs() -> None:
+    from visualizers import inspect_step
+
+    events = _events()
+    first = next(e for e in events if isinstance(e, TokenEmitted))
+    figure = inspect_step("greedy", events, first.step, gamma=3.0)  # greedy declares no knobs: ignored
+    bar = figure.data[0]
+    assert list(bar.x) == first.top_probs
+    assert len(bar.y) == len(first.top_tokens)
+    assert "No token at step 999" in inspect_step("greedy", events, 999).layout.annotations[0].text

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 
 from lab.trace import Event
+from visualizers.inspect import step_alternatives_figure
 from visualizers.style import STATUS_COLORS, TOKEN_BACKGROUNDS, base_layout, display_token, distinct_labels
 from visualizers.tokens import alternatives_table, token_view_html
 from visualizers.topk import empty_figure, topk_figure
@@ -29,6 +30,9 @@ class StrategyView:
     figures: tuple[FigureFn, ...]
     highlight_steps: Callable[[list[Event]], set[int]] | None = None
     highlight_label: str = ""
+    # (events, step, **knobs) -> figure of one step; knobs the strategy understands (e.g. gamma for CFG)
+    inspect: Callable[..., go.Figure] = step_alternatives_figure
+    knobs: tuple[str, ...] = ()
 
 
 BASELINE_VIEW = StrategyView(figures=(topk_figure,))
@@ -53,6 +57,12 @@ def strategy_figure(strategy_name: str, events: list[Event]) -> go.Figure:
     return strategy_view(strategy_name).figures[0](events)
 
 
+def inspect_step(strategy_name: str, events: list[Event], step: int, **knobs: float) -> go.Figure:
+    """The strategy's detail figure for one step; knobs it does not declare are dropped."""
+    view = strategy_view(strategy_name)
+    return view.inspect(events, step, **{k: v for k, v in knobs.items() if k in view.knobs})
+
+
 def strategy_token_view(strategy_name: str, events: list[Event], selected_step: int | None = None) -> str:
     """The token view with the strategy's highlighted steps (if it defines any)."""
     view = strategy_view(strategy_name)
@@ -70,6 +80,8 @@ __all__ = [
     "display_token",
     "distinct_labels",
     "empty_figure",
+    "inspect_step",
+    "step_alternatives_figure",
     "strategy_figure",
     "strategy_figures",
     "strategy_token_view",

@@ -76,7 +76,7 @@ def _chosen_markers(tokens: list[TokenEmitted], xs: list[int]) -> go.Scatter:
     )
 
 
-def topk_figure(events: list[Event], max_steps: int = 64) -> go.Figure:
+def topk_figure(events: list[Event], max_steps: int = 32) -> go.Figure:
     """Heatmap of the top-k alternatives of the last `max_steps` emitted tokens: x = step, y = rank, colour = p,
     token text in each cell, and the emitted token's rank marked. An empty-state figure before any token."""
     tokens = [e for e in events if isinstance(e, TokenEmitted)][-max(1, max_steps) :]
