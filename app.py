@@ -152,6 +152,8 @@ def stream_outputs(strategy: str, prompt: str, params: dict, chat: bool, seed, m
             if now - last_render >= RENDER_INTERVAL_S:
                 last_render = now
                 yield render(trace, final=False)
+    except InputError as error:  # a strategy may reject a parameter combination once it sees the prompt
+        raise gr.Error(str(error)) from None
     finally:
         events.close()  # frees the strategy's caches, also when the client cancels
     yield render(trace, final=True, status=status)

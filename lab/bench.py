@@ -4,14 +4,21 @@ Covered: every strategy runs every prompt (chat template on) `repeat` times with
 the given `max_new_tokens`; optionally `model.generate(do_sample=False)` runs the same prompt ids on the same
 model, device and dtype as the reference row "hf-generate". Runs are interleaved round-robin (for each prompt
 and repeat: every strategy, then hf-generate) so machine noise hits every row alike, after one untimed warm-up
-run of each row. Per row: median tokens/s (new tokens / wall time of one run, prefill included), speedup
-against the first strategy's median, mean new tokens, forwards per token and the mean of every other numeric
+run of each row. Per-strategy parameters override the defaults (`--params NAME.key=value`,
+`parse_param_overrides`). `--hf-assist prompt-lookup|MODEL` adds the row "hf-assist": transformers' assisted
+generation (greedy) with prompt lookup (`prompt_lookup_num_tokens`) or an assistant model (`assistant_model=`,
+loaded like the target, constant `num_assistant_tokens`), using the speculative row's gamma and max_ngram when
+one is benched (else transformers' defaults: 10 tokens and n-gram 2, or 20 assistant tokens). The HF rows'
+forwards/token count every call of the target module (draft calls too when the assistant is the target).
+Per row: median tokens/s (new tokens / wall time of one run, prefill included), speedup against the first
+strategy's median, mean new tokens, forwards per token and the mean of every other numeric
 field of `lab.trace.Stats`. Both paths stop at the same EOS ids, and a strategy's stop reasons are noted.
 Not covered: asserting speeds (tests never do), batching, memory use, sampling in the HF reference row.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import platform
 import statistics
@@ -19,6 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +38,8 @@ from lab.trace import Stats, summarize
 from lab.validation import RunRequest, validate_request
 
 HF_ROW = "hf-generate"
+HF_ASSIST_ROW = "hf-assist"
+HF_PROMPT_LOOKUP = "prompt-lookup"
 MAX_REPEAT = 100
 WARMUP_TOKENS = 16
 COLUMNS = ("strategy", "median tok/s", "speedup vs first", "tokens", "forwards/token", "notes")
@@ -96,11 +106,14 @@ def _synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def time_hf_generate(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int) -> RunSample:
-    """Greedy `model.generate` on the same ids; stops at the same EOS ids as the strategies."""
+def time_hf_generate(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int, **assist: Any) -> RunSample:
+    """Greedy `model.generate` on the same ids; stops at the same EOS ids as the strategies. `assist` goes to
+    generate (prompt_lookup_num_tokens, max_matching_ngram_size or assistant_model); target calls are counted."""
     eos = list(loaded.eos_token_ids)
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=loaded.device)  # [1, T]
     attention_mask = torch.ones_like(input_ids)
+    calls: list[int] = []
+    hook = loaded.model.register_forward_pre_hook(lambda *_: calls.append(1))
     with torch.inference_mode():
         _synchronize(loaded.device)
         start = time.perf_counter()
@@ -111,14 +124,47 @@ def time_hf_generate(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens:
             max_new_tokens=max_new_tokens,
             eos_token_id=eos,
             pad_token_id=eos[0] if eos else None,
+            **assist,
         )  # [1, T + n]
         _synchronize(loaded.device)
         wall = time.perf_counter() - start
+    hook.remove()
     new_tokens = int(output.shape[1] - input_ids.shape[1])
     stop = "eos" if new_tokens and int(output[0, -1]) in eos else "max_new_tokens"
     rate = new_tokens / wall if wall > 0 else 0.0
-    metrics = {"new_tokens": new_tokens, "wall_s": wall, "tokens_per_s": rate, "forwards_per_token": 1.0}
+    per_token = len(calls) / new_tokens if new_tokens else 0.0
+    metrics = {"new_tokens": new_tokens, "wall_s": wall, "tokens_per_s": rate, "forwards_per_token": per_token}
     return RunSample(rate, new_tokens, metrics, stop)
+
+
+def parse_param_overrides(items: list[str]) -> dict[str, dict[str, str]]:
+    """`NAME.key=value` items (e.g. speculative.drafter=self-draft) as {name: {key: value}}; values are checked
+    later by the strategy's Params."""
+    overrides: dict[str, dict[str, str]] = {}
+    for item in items:
+        target, sep, value = item.partition("=")
+        name, dot, key = target.strip().partition(".")
+        if not sep or not dot or not name or not key.strip():
+            raise InputError(f"--params expects NAME.key=value (e.g. speculative.gamma=4), got {item!r}.")
+        overrides.setdefault(name, {})[key.strip()] = value.strip()
+    return overrides
+
+
+def hf_assist_kwargs(loaded: LoadedModel, hf_assist: str, settings: dict[str, int]) -> tuple[dict, str]:
+    """generate() keyword arguments and the row note for `--hf-assist` (prompt-lookup or a model spec)."""
+    if hf_assist == HF_PROMPT_LOOKUP:
+        tokens, ngram = settings.get("gamma", 10), settings.get("max_ngram", 2)
+        kwargs = {"prompt_lookup_num_tokens": tokens, "max_matching_ngram_size": ngram}
+        return kwargs, f"transformers assisted generation, prompt lookup ({tokens} tokens, n-gram {ngram})"
+    from lab.proposers import load_draft_model
+
+    draft = loaded if hf_assist == loaded.spec else load_draft_model(loaded, hf_assist)
+    config = copy.deepcopy(draft.model.generation_config)
+    config.num_assistant_tokens = settings.get("gamma", 20)
+    config.num_assistant_tokens_schedule = "constant"
+    draft.model.generation_config = config
+    note = f"transformers assisted generation, assistant {hf_assist} ({config.num_assistant_tokens} tokens)"
+    return {"assistant_model": draft.model}, note
 
 
 def _check_count(name: str, value: int | None, low: int, high: int | None = None) -> None:
@@ -130,17 +176,30 @@ def _check_count(name: str, value: int | None, low: int, high: int | None = None
 
 
 def build_requests(
-    strategies: list[str], prompts: list[str], max_new_tokens: int, seed: int, model: str, device: str, dtype: str
+    strategies: list[str],
+    prompts: list[str],
+    max_new_tokens: int,
+    seed: int,
+    model: str,
+    device: str,
+    dtype: str,
+    overrides: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, list[RunRequest]]:
-    """One validated request per strategy and prompt (default params except max_new_tokens)."""
+    """One validated request per strategy and prompt (default params, max_new_tokens and any overrides)."""
     names = [name.strip() for name in strategies if name.strip()]
     if not names:
         raise InputError("No strategies given; pass e.g. --strategies greedy,sample.")
-    if len(set(names)) != len(names) or HF_ROW in names:
+    if len(set(names)) != len(names) or HF_ROW in names or HF_ASSIST_ROW in names:
         raise InputError(f"Strategies must be distinct and not {HF_ROW!r}: got {', '.join(names)}.")
-    params = {"max_new_tokens": max_new_tokens}
+    unknown = sorted(set(overrides or {}) - set(names))
+    if unknown:
+        raise InputError(f"--params names {', '.join(unknown)}, which is not among the benched strategies.")
     options = {"chat": True, "seed": seed, "model": model, "device": device, "dtype": dtype}
-    return {name: [validate_request(name, text, params, **options) for text in prompts] for name in names}
+    requests = {}
+    for name in names:
+        params = {**(overrides or {}).get(name, {}), "max_new_tokens": max_new_tokens}
+        requests[name] = [validate_request(name, text, params, **options) for text in prompts]
+    return requests
 
 
 def _aggregate(name: str, samples: list[RunSample], reference: float | None, note: str = "") -> BenchRow:
@@ -169,14 +228,16 @@ def _extra_metrics_note(row: BenchRow) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in extra.items())
 
 
-def _warm_up(requests: dict[str, list[RunRequest]], loaded: LoadedModel, prompt_ids: list[int], hf: bool) -> None:
+def _warm_up(
+    requests: dict[str, list[RunRequest]], loaded: LoadedModel, prompt_ids: list[int], hf_rows: dict[str, dict]
+) -> None:
     """One untimed short run of every row, so lazy initialisation is not timed."""
     budget = min(WARMUP_TOKENS, requests[next(iter(requests))][0].params.max_new_tokens)
     for rows in requests.values():
         request = dataclasses.replace(rows[0], params=dataclasses.replace(rows[0].params, max_new_tokens=budget))
         time_strategy(request, loaded, prompt_ids)
-    if hf:
-        time_hf_generate(loaded, prompt_ids, budget)
+    for kwargs in hf_rows.values():
+        time_hf_generate(loaded, prompt_ids, budget, **kwargs)
 
 
 def _measure(
@@ -184,11 +245,11 @@ def _measure(
     loaded: LoadedModel,
     prompt_ids: list[list[int]],
     repeat: int,
-    hf: bool,
+    hf_rows: dict[str, dict],
     progress: Progress | None,
 ) -> dict[str, list[RunSample]]:
-    """Round-robin: for each prompt and repeat, every strategy then hf-generate, back to back."""
-    names = list(requests) + ([HF_ROW] if hf else [])
+    """Round-robin: for each prompt and repeat, every strategy then the HF rows, back to back."""
+    names = list(requests) + list(hf_rows)
     samples: dict[str, list[RunSample]] = {name: [] for name in names}
     total, done = len(prompt_ids) * repeat * len(names), 0
     max_new_tokens = requests[names[0]][0].params.max_new_tokens
@@ -198,8 +259,8 @@ def _measure(
                 done += 1
                 if progress:
                     progress(done, total, f"{name} prompt {index + 1}/{len(prompt_ids)} repeat {r + 1}/{repeat}")
-                if name == HF_ROW:
-                    samples[name].append(time_hf_generate(loaded, ids, max_new_tokens))
+                if name in hf_rows:
+                    samples[name].append(time_hf_generate(loaded, ids, max_new_tokens, **hf_rows[name]))
                 else:
                     samples[name].append(time_strategy(requests[name][index], loaded, ids))
     return samples
@@ -234,27 +295,36 @@ def run_bench(
     seed: int = 0,
     limit: int | None = None,
     hf: bool = True,
+    params: dict[str, dict[str, Any]] | None = None,
+    hf_assist: str | None = None,
     progress: Progress | None = None,
 ) -> BenchResult:
-    """Measure every strategy (and hf-generate unless `hf` is False); raises InputError / ModelLoadError."""
+    """Measure every strategy (and hf-generate unless `hf` is False, and hf-assist when `hf_assist` names
+    prompt-lookup or a draft model); `params` overrides strategy parameters by strategy name.
+    Raises InputError / ModelLoadError."""
     _check_count("repeat", repeat, 1, MAX_REPEAT)
     _check_count("limit", limit, 1)
     texts = load_prompts(prompts)[:limit]
-    requests = build_requests(strategies, texts, max_new_tokens, seed, model, device, dtype)
+    requests = build_requests(strategies, texts, max_new_tokens, seed, model, device, dtype, params)
     first = requests[next(iter(requests))]
     loaded, _ = prepare(first[0])
     prompt_ids = [prepare(request)[1] for request in first]  # same ids for every row
+    hf_rows, notes = ({HF_ROW: {}} if hf else {}), {HF_ROW: "transformers generate, greedy (reference)"}
+    if hf_assist:
+        speculative = requests["speculative"][0].params if "speculative" in requests else None
+        settings = {k: getattr(speculative, k) for k in ("gamma", "max_ngram") if hasattr(speculative, k)}
+        hf_rows[HF_ASSIST_ROW], notes[HF_ASSIST_ROW] = hf_assist_kwargs(loaded, hf_assist.strip(), settings)
     if progress:
-        progress(0, len(texts) * repeat * (len(requests) + int(hf)), "warm-up")
-    _warm_up(requests, loaded, prompt_ids[0], hf)
-    samples = _measure(requests, loaded, prompt_ids, repeat, hf, progress)
+        progress(0, len(texts) * repeat * (len(requests) + len(hf_rows)), "warm-up")
+    _warm_up(requests, loaded, prompt_ids[0], hf_rows)
+    samples = _measure(requests, loaded, prompt_ids, repeat, hf_rows, progress)
     rows: list[BenchRow] = []
     for name, runs in samples.items():
         reference = rows[0].median_tokens_per_s if rows else None
-        note = "transformers generate, greedy (reference)" if name == HF_ROW else ""
-        rows.append(_aggregate(name, runs, reference, note))
+        rows.append(_aggregate(name, runs, reference, notes.get(name, "")))
     settings = {"strategies": list(requests), "max_new_tokens": max_new_tokens, "repeat": repeat, "seed": seed}
-    config = _config(loaded, prompts, len(texts), **settings, limit=limit, hf=hf)
+    extra = {"params": params or {}, "hf_assist": hf_assist}
+    config = _config(loaded, prompts, len(texts), **settings, limit=limit, hf=hf, **extra)
     return BenchResult(config, rows)
 
 

@@ -1,10 +1,11 @@
-"""The command line: `python -m lab list | run | bench`.
+"""The command line: `python -m lab list | run | bench | eval`.
 
 Covered: listing strategies (text, or JSON with every parameter's spec), running one strategy on a prompt
-(streaming text to stdout, stats to stderr; or one JSON object; optionally writing the trace file) and the
-benchmark (`lab.bench`). Every input goes through `lab.validation.validate_request` (or the bench's own checks,
-which use it too). Exit codes: 0 ok, 2 bad input ("error: ..." on stderr, no traceback), 3 the model could not
-be loaded, 130 interrupted (Ctrl-C).
+(streaming text to stdout, stats to stderr; or one JSON object; optionally writing the trace file), the
+benchmark (`lab.bench`) and the perplexity-control evaluation (`eval mirostat`, `lab.evaluate`). Every input goes
+through `lab.validation.validate_request` (or the bench's and the evaluation's own checks, which use it too).
+Exit codes: 0 ok, 2 bad input ("error: ..." on stderr, no traceback), 3 the model could not be loaded,
+130 interrupted (Ctrl-C).
 Not covered: interactive chat, batch runs of many prompts (use the bench), reading traces back.
 """
 
@@ -34,9 +35,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `lab` argument parser with its three subcommands."""
+    """The `lab` argument parser with its subcommands."""
     parser = argparse.ArgumentParser(prog="python -m lab", description="Decoding Lab: run LLM decoding strategies.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{list,run,bench}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{list,run,bench,eval}")
     listing = commands.add_parser("list", help="list the strategies by family")
     listing.add_argument("--json", action="store_true", help="print every strategy and its parameters as JSON")
     run = commands.add_parser("run", help="run one strategy on a prompt")
@@ -54,7 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", default=None, help="use only the first K prompts")
     bench.add_argument("--json", action="store_true", help="print {config, rows} as JSON instead of a table")
     bench.add_argument("--no-hf", action="store_true", help="skip the hf-generate reference row")
+    bench.add_argument(
+        "--params", action="append", default=[], metavar="NAME.KEY=VALUE", help="a strategy parameter; repeatable"
+    )
+    bench.add_argument("--hf-assist", metavar="prompt-lookup|MODEL", help="add transformers assisted generation")
     _add_model_options(bench)
+    evaluate = commands.add_parser("eval", help="measure perplexity control (observed vs target surprise)")
+    evaluate.add_argument("strategy", choices=("mirostat",), help="the strategy to evaluate")
+    evaluate.add_argument("--taus", default="2,3,4,5", help="target surprises in bits, comma-separated")
+    evaluate.add_argument("--baselines", default="top-k=40,top-k=5,top-p=0.9,top-p=1", help="comparison rows")
+    evaluate.add_argument("--prompts", default="builtin", help="builtin, a text file (one per line) or a JSON list")
+    evaluate.add_argument("--limit", default="8", help="use only the first K prompts (default 8)")
+    evaluate.add_argument("--json", action="store_true", help="print {config, rows} as JSON instead of a table")
+    _add_model_options(evaluate)
     return parser
 
 
@@ -186,7 +199,7 @@ def _print_progress(done: int, total: int, message: str) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Benchmark the strategies (and hf-generate) and print the table or JSON."""
-    from lab.bench import format_table, run_bench
+    from lab.bench import format_table, parse_param_overrides, run_bench
     from lab.validation import validate_seed
 
     max_new_tokens = _int_option("--max-new-tokens", args.max_new_tokens)
@@ -201,13 +214,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
         seed=validate_seed(args.seed),
         limit=_int_option("--limit", args.limit),
         hf=not args.no_hf,
+        params=parse_param_overrides(args.params),
+        hf_assist=args.hf_assist,
         progress=_print_progress,
     )
     print(json.dumps(result.as_dict(), indent=2) if args.json else format_table(result))
     return EXIT_OK
 
 
-COMMANDS = {"list": cmd_list, "run": cmd_run, "bench": cmd_bench}
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Run the perplexity-control evaluation (`lab.evaluate`) and print the table or JSON."""
+    from lab.evaluate import DEFAULT_TOKENS, format_table, parse_floats, run_eval
+    from lab.validation import validate_seed
+
+    max_new_tokens = _int_option("--max-new-tokens", args.max_new_tokens)
+    result = run_eval(
+        parse_floats(args.taus, "--taus"),
+        args.prompts,
+        limit=_int_option("--limit", args.limit),
+        max_new_tokens=DEFAULT_TOKENS if max_new_tokens is None else max_new_tokens,
+        baselines=args.baselines,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        seed=validate_seed(args.seed),
+        progress=_print_progress,
+    )
+    print(json.dumps(result.as_dict(), indent=2) if args.json else format_table(result))
+    return EXIT_OK
+
+
+COMMANDS = {"list": cmd_list, "run": cmd_run, "bench": cmd_bench, "eval": cmd_eval}
 
 
 def main(argv: list[str] | None = None) -> int:

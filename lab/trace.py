@@ -66,9 +66,120 @@ class RunFinished:
 
 # --- logit-level detail events (DoLa) ---
 
+
+@event_kind
+@dataclass(frozen=True)
+class LayerContrast:
+    """One DoLa step (Chuang et al. 2024, Eq. 3-4): the JSD of each candidate premature layer from the final
+    layer, the chosen layer M, the emitted token and what plain greedy (argmax of the final layer after the same
+    repetition penalty) would have picked, a logit lens (top-1 token of each layer in `lens_layers`, the last
+    being the final layer N) and the top-8 of each distribution named in `top_labels` ("final", "premature",
+    "contrast", "after penalty": the distribution the token was chosen from, incl. temperature when sampling);
+    tokens with p = 0 (outside V_head) are left out, so a list may hold fewer than 8."""
+
+    step: int
+    candidate_layers: list[int]
+    divergences: list[float]  # JSD(q_N || q_j) per candidate, as the reference reduces it (mean over the vocab)
+    chosen_layer: int
+    mode: str  # dola | soft
+    token_id: int  # the emitted token
+    token_text: str
+    greedy_token_id: int
+    lens_layers: list[int]
+    lens_tokens: list[str]
+    top_labels: list[str]
+    top_ids: list[list[int]]
+    top_tokens: list[list[str]]
+    top_probs: list[list[float]]
+
+
 # --- logit-level detail events (CFG) ---
 
+
+@event_kind
+@dataclass(frozen=True)
+class GuidanceStep:
+    """One classifier-free guidance step (Sanchez et al. 2023, Eq. 7): for the union of the top-8 tokens of the
+    conditional, unconditional and guided distributions (sorted by guided probability), their full-vocabulary
+    log-softmax values under cond and uncond and the full-vocabulary guided probability softmax(log P_hat).
+    A view can re-weight the stored log-probs for another gamma without the model (renormalized over this subset).
+    Entropies and KL(guided || cond) are over the full vocabulary, in nats; token_id is the token emitted."""
+
+    step: int
+    gamma: float
+    token_id: int
+    token_ids: list[int]
+    tokens: list[str]
+    cond_logprobs: list[float]
+    uncond_logprobs: list[float]
+    guided_probs: list[float]
+    entropy_cond: float
+    entropy_uncond: float
+    entropy_guided: float
+    kl_guided_cond: float
+
+
 # --- logit-level detail events (Mirostat) ---
+
+
+@event_kind
+@dataclass(frozen=True)
+class MirostatStep:
+    """One Mirostat step (Basu et al. 2021, Alg. 1): truncation size k (v1's k, v2's number of tokens with
+    surprise <= mu), the surprise S fed back, and mu before and after mu <- mu - eta (S - tau).
+    `model_surprise` = -log2 p(x) under the model's untruncated distribution at temperature 1 (EOS masked when
+    the run ignores EOS), the same measure for every series. Series "mirostat" is the run itself; "top-k" and
+    "top-p" are comparison replays (same prompt and seed) with `version` = their setting ("k=40", "p=0.9"),
+    mu = mu_next = None and surprise = model_surprise."""
+
+    step: int
+    version: str  # v1 | v2 for series "mirostat"; the baseline's setting otherwise
+    tau: float  # target surprise in bits
+    mu: float | None  # before the update
+    mu_next: float | None
+    surprise: float  # S fed back to the controller (bits; convention-dependent)
+    model_surprise: float  # -log2 p(x), untruncated, T = 1 (bits)
+    k: int  # truncation size
+    s_hat: float | None  # v1's Zipf exponent estimate
+    token_id: int
+    series: str = "mirostat"
+
+
+# --- speculative detail events (SD) ---
+
+
+@event_kind
+@dataclass(frozen=True)
+class DraftRound:
+    """One speculative round (Leviathan et al. 2023, Alg. 1): gamma drafted tokens x_i, verified in one target
+    forward. q / p: q_i(x_i) and p_i(x_i) of every drafted token (q = 1.0 for a deterministic drafter, whose q is
+    one-hot at x_i; p is the processed target distribution, one-hot argmax in greedy mode). uniforms: u_i of the
+    examined tokens (x_i accepted iff u_i < min(1, p/q)). accepted: how many were kept; then either `recovered`
+    (drawn from norm(max(0, p - q)) at the first rejection, whose top 5 are residual_top_*) or `bonus` (drawn
+    from p after a fully accepted draft); final_text is that token's text. alt_*: per drafted position the top
+    tokens of p + q with their p and q. gamma is the draft length asked for; draft_s / verify_s are seconds."""
+
+    step: int
+    drafter: str
+    gamma: int
+    draft_tokens: list[int]
+    draft_texts: list[str]
+    q: list[float]
+    p: list[float]
+    uniforms: list[float]
+    accepted: int
+    recovered: int | None = None
+    bonus: int | None = None
+    final_text: str = ""
+    residual_top_ids: list[int] = field(default_factory=list)
+    residual_top_texts: list[str] = field(default_factory=list)
+    residual_top_probs: list[float] = field(default_factory=list)
+    alt_texts: list[list[str]] = field(default_factory=list)
+    alt_p: list[list[float]] = field(default_factory=list)
+    alt_q: list[list[float]] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
 
 Event = Any  # any registered event dataclass
 
@@ -83,9 +194,25 @@ class Stats:
     target_forwards: int
     forwards_per_token: float
     stop_reason: str
+    # speculative runs only (None without DraftRound events): alpha = accepted / examined draft tokens
+    # (Leviathan et al. 2023's acceptance rate; tokens after a rejection are never examined) and the mean
+    # number of tokens a round emits (accepted + the recovered or bonus token)
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _draft_stats(events: list[Event]) -> tuple[float | None, float | None]:
+    """(acceptance rate, mean accepted length) folded from DraftRound events; None where undefined."""
+    rounds = [e for e in events if isinstance(e, DraftRound)]
+    if not rounds:
+        return None, None
+    accepted = sum(r.accepted for r in rounds)
+    examined = accepted + sum(r.recovered is not None for r in rounds)
+    emitted = accepted + sum(r.recovered is not None or r.bonus is not None for r in rounds)
+    return (round(accepted / examined, 4) if examined else None), round(emitted / len(rounds), 4)
 
 
 def summarize(events: list[Event]) -> Stats:
@@ -95,6 +222,7 @@ def summarize(events: list[Event]) -> Stats:
     wall = finished.wall_s if finished else (tokens[-1].t if tokens else 0.0)
     forwards = finished.target_forwards if finished else len({e.step for e in tokens})
     n = len(tokens)
+    acceptance_rate, mean_accepted_length = _draft_stats(events)
     return Stats(
         new_tokens=n,
         wall_s=round(wall, 4),
@@ -102,6 +230,8 @@ def summarize(events: list[Event]) -> Stats:
         target_forwards=forwards,
         forwards_per_token=round(forwards / n, 3) if n else 0.0,
         stop_reason=finished.stop_reason if finished else "running",
+        acceptance_rate=acceptance_rate,
+        mean_accepted_length=mean_accepted_length,
     )
 
 

@@ -7,10 +7,12 @@ mtpc, eagle, tot, rlm. Only implemented strategies are registered.
 from __future__ import annotations
 
 from lab.params import InputError
-from strategies import greedy, sample
+from strategies import cfg, dola, greedy, mirostat, sample, speculative
 from strategies.base import FAMILIES, Strategy, collect
 
-REGISTRY: dict[str, Strategy] = {module.STRATEGY.name: module.STRATEGY for module in (greedy, sample)}
+REGISTRY: dict[str, Strategy] = {
+    module.STRATEGY.name: module.STRATEGY for module in (greedy, sample, dola, cfg, mirostat, speculative)
+}
 
 
 def get_strategy(name: str) -> Strategy:

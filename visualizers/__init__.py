@@ -15,7 +15,23 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 
 from lab.trace import Event
+from visualizers import dola
+from visualizers.cfg import (
+    guidance_bars_figure,
+    guidance_changed_steps,
+    guidance_delta_figure,
+    guidance_step_figure,
+    guidance_trace_figure,
+)
 from visualizers.inspect import step_alternatives_figure
+from visualizers.mirostat import control_figure, running_mean_figure, truncation_figure
+from visualizers.speculative import (
+    acceptance_figure,
+    round_detail_figure,
+    round_inspect,
+    rounds_figure,
+    speedup_figure,
+)
 from visualizers.style import STATUS_COLORS, TOKEN_BACKGROUNDS, base_layout, display_token, distinct_labels
 from visualizers.tokens import alternatives_table, token_view_html
 from visualizers.topk import empty_figure, topk_figure
@@ -38,8 +54,29 @@ class StrategyView:
 BASELINE_VIEW = StrategyView(figures=(topk_figure,))
 
 VIEWS: dict[str, StrategyView] = {
+    "speculative": StrategyView(
+        figures=(rounds_figure, round_detail_figure, acceptance_figure, speedup_figure), inspect=round_inspect
+    ),
     "greedy": BASELINE_VIEW,
     "sample": BASELINE_VIEW,
+    "mirostat": StrategyView(figures=(control_figure, running_mean_figure, truncation_figure)),
+    "dola": StrategyView(
+        figures=(
+            dola.divergence_figure,
+            dola.divergence_heatmap_figure,
+            dola.lens_figure,
+            dola.topk_compare_figure,
+        ),
+        highlight_steps=dola.highlight_steps,
+        highlight_label=dola.HIGHLIGHT_LABEL,
+    ),
+    "cfg": StrategyView(
+        figures=(guidance_bars_figure, guidance_delta_figure, guidance_trace_figure),
+        highlight_steps=guidance_changed_steps,
+        highlight_label="guidance changed the top token",
+        inspect=guidance_step_figure,
+        knobs=("gamma",),
+    ),
 }
 
 

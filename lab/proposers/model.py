@@ -1,0 +1,150 @@
+"""Model drafters: a separate causal LM sharing the target's tokenizer, or the target's own first L layers.
+
+`ModelProposer` drafts x_1..x_gamma autoregressively from any `LoadedModel`, with its own KV cache: each
+proposal first rolls the cache back to the longest common prefix with the committed tokens (`lab.runtime.crop`)
+and feeds the missing tokens in one forward, then runs gamma - 1 decode steps. q_i = the draft's distribution
+after the same logits processors as the target (`lab.sampling.process_logits` and `target_distribution`, so
+one-hot argmax in greedy mode), and x_i is drawn from q_i with the run's generator (Leviathan et al. 2023,
+Alg. 1, lines 1-3). The last drafted token is never fed to the drafter; the next proposal feeds it if kept.
+`self_draft_view(target, L)` builds the self-drafter (as in Draft & Verify, Zhang et al. 2024, and LayerSkip,
+Elhoushi et al. 2024, without their training): a shallow copy of the target that shares every parameter
+(embeddings, the first L decoder layers, the final norm, the LM head) and has `num_hidden_layers = L`, so it
+gets its own L-layer KV cache. `load_draft_model` loads a drafter by id or path through `lab.models.load_model`
+on the target's device and dtype and refuses one whose tokenizer differs (`check_same_tokenizer`).
+Not covered: drafters with another tokenizer (universal assisted generation), sharing the target's KV cache
+for the first L layers (LayerSkip's cache reuse), trained early-exit heads.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from lab import runtime
+from lab.models import DTYPES, LoadedModel, load_model, wrap_model
+from lab.params import InputError
+from lab.proposers.base import Draft, DraftContext, common_prefix_length
+from lab.sampling import process_logits, sample, target_distribution
+
+SAMPLE_TEXT = "Speculative decoding, 2023: the quick brown fox (x=42) jumps! ¿Qué tal? 東京 ✓\n\tdef f(): return 1"
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+
+
+def _tokenizer_size(loaded: LoadedModel) -> int:
+    tokenizer = loaded.tokenizer
+    return len(tokenizer) if hasattr(tokenizer, "__len__") else loaded.vocab_size
+
+
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    """Raise InputError unless the drafter's tokenizer matches the target's: vocabulary size, special ids and
+    the encoding of a sample text (speculative decoding compares token ids, so they must mean the same)."""
+    problems = []
+    if _tokenizer_size(target) != _tokenizer_size(draft):
+        problems.append(f"vocabulary size {_tokenizer_size(draft)} vs {_tokenizer_size(target)}")
+    for name in SPECIAL_IDS:
+        mine, theirs = getattr(draft.tokenizer, name, None), getattr(target.tokenizer, name, None)
+        if mine != theirs:
+            problems.append(f"{name} {mine} vs {theirs}")
+    if draft.tokenizer(SAMPLE_TEXT)["input_ids"] != target.tokenizer(SAMPLE_TEXT)["input_ids"]:
+        problems.append("a sample text encodes to different token ids")
+    if problems:
+        raise InputError(
+            f"The draft model {draft.spec!r} does not share the target {target.spec!r}'s tokenizer "
+            f"({'; '.join(problems)}). Pick a drafter from the same model family (e.g. SmolLM2-135M for "
+            f"SmolLM2-1.7B), or use drafter=prompt-lookup or self-draft."
+        )
+
+
+def load_draft_model(target: LoadedModel, spec: str) -> LoadedModel:
+    """Load `spec` on the target's device and dtype (the model cache returns the target itself for its own
+    spec) and check its tokenizer; raises InputError or ModelLoadError."""
+    dtype = next((name for name, value in DTYPES.items() if value == target.dtype), "auto")
+    draft = load_model(spec, device=target.device.type, dtype=dtype)
+    check_same_tokenizer(target, draft)
+    return draft
+
+
+def self_draft_view(target: LoadedModel, n_layers: int) -> LoadedModel:
+    """The target's first `n_layers` decoder layers + final norm + LM head as a model of its own (shared
+    parameters, nothing copied but the module containers and the config)."""
+    total = target.num_layers
+    if not 1 <= n_layers <= total:
+        raise InputError(f"draft_layers = {n_layers} must be between 1 and the target's {total} layers.")
+    decoder = target.model.get_decoder()
+    config = copy.deepcopy(target.model.config)
+    config.num_hidden_layers = n_layers
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:n_layers]
+    view_decoder = copy.copy(decoder)  # shallow: same parameters, buffers and submodules
+    view_decoder._modules = dict(decoder._modules)
+    view_decoder.layers = nn.ModuleList(list(decoder.layers)[:n_layers])
+    view_decoder.config = config
+    view = copy.copy(target.model)
+    view._modules = dict(target.model._modules)
+    name = next(key for key, module in target.model._modules.items() if module is decoder)
+    setattr(view, name, view_decoder)
+    view.config = config
+    return wrap_model(view, target.tokenizer, spec=f"{target.spec}[:{n_layers}]")
+
+
+def _fit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
+    """Cut or -inf-pad the drafter's logits [V_d] to the target's vocabulary size (padded LM heads differ)."""
+    if logits.shape[-1] == size:
+        return logits
+    if logits.shape[-1] > size:
+        return logits[..., :size]
+    return torch.nn.functional.pad(logits, (0, size - logits.shape[-1]), value=float("-inf"))
+
+
+class ModelProposer:
+    """Autoregressive drafting with a causal LM and its own KV cache (Leviathan et al. 2023, Alg. 1, M_q)."""
+
+    def __init__(self, draft: LoadedModel, vocab_size: int, name: str = "model") -> None:
+        self.draft = draft
+        self.vocab_size = vocab_size
+        self.name = name
+        self.state = runtime.new_state(draft)
+        self._kept_length = 0  # cache length before the tokens of the last draft were fed
+
+    @property
+    def forwards(self) -> int:
+        return self.state.forwards
+
+    def _sync(self, tokens: list[int]) -> torch.Tensor:
+        """Roll the cache back to its common prefix with `tokens`, feed the rest, return the next logits [V]."""
+        common = min(common_prefix_length(self.state.tokens, tokens), len(tokens) - 1)
+        if common < self.state.length:
+            runtime.crop(self.state, common)
+        return runtime.forward(self.state, tokens[common:], last_only=True).logits[-1]
+
+    def propose(self, context: DraftContext) -> Draft:
+        """Draw x_i ~ q_i for i = 1..gamma (stopping after EOS); q_i after the target's processors."""
+        if context.gamma <= 0:
+            self._kept_length = self.state.length
+            return Draft([])
+        logits = self._sync(context.tokens)  # [V_d]
+        self._kept_length = self.state.length
+        history, drafted, rows = list(context.tokens), [], []
+        for i in range(context.gamma):
+            processed = process_logits(_fit_vocab(logits, self.vocab_size), context.config, history)  # [V]
+            q = target_distribution(processed, context.config)  # [V]
+            token = int(q.argmax()) if context.config.greedy else sample(q, context.generator)
+            drafted.append(token)
+            rows.append(q)
+            history.append(token)
+            if token in context.eos_token_ids or i + 1 == context.gamma:
+                break
+            logits = runtime.decode_step(self.state, token).logits[-1]  # [V_d]
+        return Draft(drafted, torch.stack(rows))  # q: [gamma, V]
+
+    def accept(self, n_accepted: int) -> None:
+        """Keep the committed prefix and the first n accepted draft tokens; the rest of the cache is dropped."""
+        keep = min(self._kept_length + n_accepted, self.state.length)
+        if keep < self.state.length:
+            runtime.crop(self.state, keep)
+
+    def close(self) -> None:
+        self.state.cache.reset()
+        self.state.tokens.clear()

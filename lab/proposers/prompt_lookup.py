@@ -1,0 +1,55 @@
+"""Prompt-lookup drafting (Saxena 2023, "Prompt Lookup Decoding"; HF `PromptLookupCandidateGenerator`).
+
+Deterministic, model-free: take the last n tokens of the sequence (n = max_ngram down to 1), find the most
+recent earlier occurrence of that n-gram in the prompt + generated text, and propose the up to gamma tokens
+that followed it. No match: an empty draft (the round is a plain target step). q = None (one-hot at the drafted
+token), so acceptance is exact: a token is kept iff the target would have produced it (greedy) or with
+probability p(x) (sampling), and the output stays distributed as the target's (Leviathan et al. 2023, Alg. 1).
+Differences from HF: HF takes the first (leftmost) match of the longest n-gram and stops the candidates at
+EOS; we take the most recent (rightmost) match, which follows the text being generated more closely, and the
+strategy cuts every draft after EOS. HF also drops candidates its logits processors forbid (p = -inf); we let
+verification reject them (p(x) = 0 is never accepted), which is the same result one forward later.
+Not covered: suffix trees / multi-candidate lookup (a tree of matches).
+"""
+
+from __future__ import annotations
+
+from lab.proposers.base import Draft, DraftContext
+
+
+def lookup(tokens: list[int], max_ngram: int, gamma: int) -> list[int]:
+    """Up to `gamma` tokens following the most recent earlier match of the longest suffix n-gram (n <= max_ngram)."""
+    length = len(tokens)
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        suffix = tokens[length - n :]
+        first = suffix[0]
+        for start in range(length - n - 1, -1, -1):  # most recent match first; the suffix itself excluded
+            if tokens[start] == first and tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + gamma]
+    return []
+
+
+class PromptLookupProposer:
+    """Deterministic n-gram drafter over the prompt and the generated text; costs no forward pass."""
+
+    name = "prompt-lookup"
+
+    def __init__(self, max_ngram: int = 3) -> None:
+        if max_ngram < 1:
+            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
+        self.max_ngram = max_ngram
+
+    @property
+    def forwards(self) -> int:
+        return 0
+
+    def propose(self, context: DraftContext) -> Draft:
+        if context.gamma <= 0:
+            return Draft([])
+        return Draft(lookup(context.tokens, self.max_ngram, context.gamma))
+
+    def accept(self, n_accepted: int) -> None:
+        """Stateless: nothing to roll back."""
+
+    def close(self) -> None:
+        """Stateless: nothing to free."""

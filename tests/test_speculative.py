@@ -1,0 +1,507 @@
+"""Vanilla speculative decoding: proposers, the verifier, the strategy's events, losslessness, views and bench.
+
+Unit part on tiny random Llamas (tests/tiny.py): greedy output equals plain greedy for every drafter, for an
+always-right and an always-wrong drafter; sampling output is distributed as the target's own distribution
+(chi-square against the exact softmax on a vocabulary of 8). The integration part (marked `embedded`) checks
+greedy equality on the embedded SmolLM2 in fp32 for the three drafters on builtin prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from lab.bench import parse_param_overrides
+from lab.models import wrap_model
+from lab.params import InputError, build_params
+from lab.prompts import BUILTIN_PROMPTS
+from lab.proposers import (
+    Draft,
+    DraftContext,
+    ModelProposer,
+    PromptLookupProposer,
+    Proposer,
+    check_same_tokenizer,
+    lookup,
+    make_proposer,
+    self_draft_view,
+)
+from lab.runtime import early_exit_logits, forward, new_state
+from lab.trace import DraftRound, RunFinished, TokenEmitted, Trace, from_json, summarize, to_json
+from strategies import collect, get_strategy
+from strategies.speculative import SpeculativeParams, cut_at_eos, decode_loop, next_gamma
+from tests.tiny import ByteTokenizer, tiny_llama, tiny_loaded_model
+from visualizers import VIEWS
+from visualizers.speculative import (
+    acceptance_figure,
+    measured_costs,
+    round_detail_figure,
+    round_inspect,
+    rounds_figure,
+    running_stats,
+    speedup_figure,
+    theoretical_speedup,
+)
+
+SD = get_strategy("speculative")
+GREEDY = get_strategy("greedy")
+N_DRAWS = 3000
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def tokens_of(events: list) -> list[int]:
+    return [e.token_id for e in events if isinstance(e, TokenEmitted)]
+
+
+def rounds_of(events: list) -> list[DraftRound]:
+    return [e for e in events if isinstance(e, DraftRound)]
+
+
+def params(**values) -> SpeculativeParams:
+    return build_params(SpeculativeParams, values)
+
+
+def greedy_tokens(loaded, prompt_ids: list[int], n: int, **values) -> list[int]:
+    greedy_params = build_params(GREEDY.Params, {"max_new_tokens": n, **values})
+    return tokens_of(collect(GREEDY.run(loaded, prompt_ids, greedy_params, gen())))
+
+
+def run_sd(loaded, prompt_ids: list[int], proposer: Proposer | None = None, seed: int = 0, **values) -> list:
+    built = params(**values)
+    if proposer is None:
+        return collect(SD.run(loaded, prompt_ids, built, gen(seed)))
+    return collect(decode_loop(loaded, prompt_ids, built, proposer, gen(seed)))
+
+
+class WrongProposer:
+    """Always wrong: each drafted token is (target argmax + 1) mod V along the drafted chain (full forwards)."""
+
+    name = "always-wrong"
+
+    def __init__(self, target) -> None:
+        self.target = target
+        self.forwards = 0
+
+    def propose(self, context: DraftContext) -> Draft:
+        ids, drafted = list(context.tokens), []
+        for _ in range(context.gamma):
+            with torch.inference_mode():
+                logits = self.target.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+            drafted.append((int(logits.argmax()) + 1) % logits.shape[-1])
+            ids.append(drafted[-1])
+        return Draft(drafted)
+
+    def accept(self, n_accepted: int) -> None:
+        assert n_accepted == 0
+
+    def close(self) -> None:
+        pass
+
+
+class FixedProposer:
+    """Deterministic: always drafts the same token (one-hot q); with `q_row` it reports that q instead."""
+
+    name = "fixed"
+    forwards = 0
+
+    def __init__(self, token: int, q_row: torch.Tensor | None = None) -> None:
+        self.token, self.q_row = token, q_row
+
+    def propose(self, context: DraftContext) -> Draft:
+        if context.gamma == 0:
+            return Draft([])
+        if self.q_row is None:
+            return Draft([self.token] * context.gamma)
+        tokens = [int(torch.multinomial(self.q_row, 1, generator=context.generator)) for _ in range(context.gamma)]
+        return Draft(tokens, self.q_row.expand(context.gamma, -1).clone())
+
+    def accept(self, n_accepted: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run thousands of small forwards: one thread avoids OpenMP spin contention on shared CPUs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny) -> list[int]:
+    return tiny.encode("The lab decodes the lab decodes the", chat=False)
+
+
+# --- proposers --------------------------------------------------------------------------------------------
+
+
+def test_lookup_takes_the_most_recent_match_of_the_longest_ngram() -> None:
+    tokens = [1, 2, 3, 9, 1, 2, 4, 5, 7, 2, 3, 8, 1, 2]
+    assert lookup(tokens, max_ngram=2, gamma=3) == [4, 5, 7]  # "1 2" last seen at 4: followed by 4 5 7
+    assert lookup(tokens, max_ngram=1, gamma=2) == [3, 8]  # "2" last seen at 9
+    assert lookup([5, 6, 7], max_ngram=3, gamma=4) == []  # no earlier occurrence
+    assert lookup([7, 7, 7, 7], max_ngram=2, gamma=3) == [7]  # the match may run into the suffix
+    proposer = PromptLookupProposer(max_ngram=3)
+    assert isinstance(proposer, Proposer) and proposer.forwards == 0
+    draft = proposer.propose(DraftContext(tokens, 2, params().sampling, gen()))
+    assert draft.tokens == [4, 5] and draft.q_draft is None and draft.tree is None
+
+
+def test_model_proposer_syncs_its_cache_on_any_context(tiny) -> None:
+    """SSD calls propose on diverging contexts: the cached proposer must equal a fresh one."""
+    config = params().sampling
+    drafter = tiny_loaded_model(seed=3)
+    cached = ModelProposer(drafter, tiny.vocab_size)
+    a, b = [5, 6, 7, 8, 9], [5, 6, 7, 10]
+    first = cached.propose(DraftContext(a, 4, config, gen()))
+    cached.accept(2)
+    assert cached.state.tokens == a + first.tokens[:2]
+    again = cached.propose(DraftContext(b, 4, config, gen()))
+    fresh = ModelProposer(drafter, tiny.vocab_size).propose(DraftContext(b, 4, config, gen()))
+    assert again.tokens == fresh.tokens and torch.equal(again.q_draft, fresh.q_draft)
+    assert again.q_draft.shape == (4, tiny.vocab_size) and torch.all(again.q_draft.sum(-1) == 1)
+
+
+def test_self_draft_view_shares_weights_and_equals_the_early_exit(tiny) -> None:
+    target = tiny_loaded_model(seed=0, layers=4)
+    view = self_draft_view(target, 2)
+    assert view.num_layers == 2 and target.num_layers == 4  # the target is untouched
+    assert view.model.model.layers[1].mlp.up_proj.weight is target.model.model.layers[1].mlp.up_proj.weight
+    assert view.lm_head is target.lm_head and view.final_norm is target.final_norm
+    ids = [3, 1, 4, 1, 5, 9]
+    mine = forward(new_state(view), ids).logits  # [T, V]
+    hidden = forward(new_state(target), ids, hidden_states=True).hidden_states[2]
+    torch.testing.assert_close(mine, early_exit_logits(target, hidden, apply_norm=True), rtol=1e-5, atol=1e-5)
+    with pytest.raises(InputError, match="draft_layers"):
+        self_draft_view(target, 5)
+
+
+def test_a_different_tokenizer_is_refused(tiny) -> None:
+    class OtherTokenizer(ByteTokenizer):
+        eos_token_id = 2
+
+    other = wrap_model(tiny_llama(seed=1), OtherTokenizer(), spec="other")
+    with pytest.raises(InputError, match="does not share the target.*eos_token_id"):
+        check_same_tokenizer(tiny, other)
+    check_same_tokenizer(tiny, tiny_loaded_model(seed=1))  # same tokenizer: fine
+    with pytest.raises(InputError, match="Unknown drafter"):
+        make_proposer(tiny, "medusa")
+
+
+def test_verifier_greedy_support_equals_full_vocabulary_and_rolls_back(tiny) -> None:
+    """Greedy acceptance on the support columns decides exactly like accept_draft on the whole vocabulary."""
+    from lab.proposers import verify_draft
+    from lab.runtime import prefill
+    from lab.sampling import accept_draft, target_distribution
+
+    config, ids = params().sampling, [5, 6, 7, 8]
+    g = greedy_tokens(tiny, ids, 4)
+    wrong = (g[1] + 1) % tiny.vocab_size
+    for tokens in ([g[0], g[1], g[2]], [g[0], wrong, g[2]], [wrong], []):
+        state = prefill(tiny, ids[:-1])[0]
+        v = verify_draft(state, ids[-1], Draft(tokens), config, ids, gen(1))
+        full = accept_draft(target_distribution(v.processed, config), None, tokens, gen(1))
+        assert (v.acceptance.accepted, v.acceptance.recovered, v.acceptance.bonus) == (
+            full.accepted,
+            full.recovered,
+            full.bonus,
+        )
+        assert v.acceptance.tokens == g[: len(v.acceptance.tokens)]
+        assert state.length == len(ids) + len(v.acceptance.accepted) and state.tokens == ids + v.acceptance.accepted
+
+
+# --- greedy losslessness ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"drafter": "prompt-lookup"},
+        {"drafter": "prompt-lookup", "adaptive": True, "gamma": 2, "gamma_max": 5, "max_ngram": 1},
+        {"drafter": "self-draft", "draft_layers": 1, "gamma": 3},
+        {"drafter": "model", "gamma": 4},  # empty draft_model: the target itself
+        {"drafter": "prompt-lookup", "repetition_penalty": 1.3},
+    ],
+    ids=["lookup", "lookup-adaptive", "self-draft", "model-self", "lookup-penalty"],
+)
+def test_greedy_sd_equals_greedy(tiny, prompt_ids, values) -> None:
+    expected = greedy_tokens(tiny, prompt_ids, 30, repetition_penalty=values.get("repetition_penalty", 1.0))
+    events = run_sd(tiny, prompt_ids, max_new_tokens=30, **values)
+    assert tokens_of(events) == expected and len(set(expected)) > 1
+
+
+def test_other_model_drafter_and_always_right_drafter(tiny, prompt_ids) -> None:
+    expected = greedy_tokens(tiny, prompt_ids, 30)
+    other = run_sd(tiny, prompt_ids, ModelProposer(tiny_loaded_model(seed=1), tiny.vocab_size), max_new_tokens=30)
+    assert tokens_of(other) == expected
+    right = run_sd(tiny, prompt_ids, ModelProposer(tiny, tiny.vocab_size), max_new_tokens=30, gamma=4)
+    assert tokens_of(right) == expected
+    stats = summarize(right)
+    assert stats.acceptance_rate == 1.0 and stats.mean_accepted_length == 5.0
+    assert all(r.accepted == len(r.draft_tokens) and r.bonus is not None for r in rounds_of(right))
+    assert {e.source for e in right if isinstance(e, TokenEmitted)} == {"accepted", "bonus"}
+    finished = right[-1]
+    assert finished.target_forwards == 1 + len(rounds_of(right)) == 1 + 6  # prefill + ceil(30 / 5) rounds
+    assert finished.draft_forwards > 0
+
+
+def test_always_wrong_drafter_reproduces_greedy(tiny, prompt_ids) -> None:
+    expected = greedy_tokens(tiny, prompt_ids, 16)
+    events = run_sd(tiny, prompt_ids, WrongProposer(tiny), max_new_tokens=16, gamma=3)
+    assert tokens_of(events) == expected
+    rounds, last = rounds_of(events)[:-1], rounds_of(events)[-1]
+    assert len(rounds) == 15 and all(r.accepted == 0 and r.recovered is not None for r in rounds)
+    assert all(r.p[0] == 0.0 and r.q[0] == 1.0 for r in rounds)  # one-hot p (greedy) vs deterministic q
+    assert all(r.residual_top_ids[0] == r.recovered and r.residual_top_probs[0] == 1.0 for r in rounds)
+    assert last.draft_tokens == [] and last.bonus is not None  # budget 1 left: no draft, the target's token
+    sources = [e.source for e in events if isinstance(e, TokenEmitted)]
+    assert sources == ["recovered"] * 15 + ["bonus"]
+    assert summarize(events).acceptance_rate == 0.0 and summarize(events).mean_accepted_length == 1.0
+
+
+# --- events, budget, bookkeeping --------------------------------------------------------------------------
+
+
+def test_events_are_consistent_and_serialize(tiny, prompt_ids) -> None:
+    events = run_sd(tiny, prompt_ids, ModelProposer(tiny_loaded_model(seed=1), tiny.vocab_size), max_new_tokens=25)
+    rounds, tokens = rounds_of(events), [e for e in events if isinstance(e, TokenEmitted)]
+    assert len(tokens) == 25 and sum(r.accepted + 1 for r in rounds) == 25
+    for r in rounds:
+        mine = [e for e in tokens if e.step == r.step]
+        assert [e.token_id for e in mine[: r.accepted]] == r.draft_tokens[: r.accepted]
+        assert mine[-1].token_id == (r.recovered if r.recovered is not None else r.bonus)
+        assert len(r.q) == len(r.p) == len(r.draft_tokens) == len(r.alt_texts) and r.gamma >= len(r.draft_tokens)
+        assert len(r.uniforms) == r.accepted + (r.recovered is not None)
+    finished = events[-1]
+    assert isinstance(finished, RunFinished) and finished.target_forwards == 1 + len(rounds)
+    assert finished.draft_forwards > len(rounds)  # the drafter ran its own forwards
+    loaded = from_json(to_json(Trace("speculative", "tiny", "p", {}, events)))
+    assert loaded.events == events
+
+
+def test_budget_and_eos_helpers() -> None:
+    draft = Draft([4, 0, 5], torch.eye(6)[[4, 0, 5]])
+    cut = cut_at_eos(draft, (0,))
+    assert cut.tokens == [4, 0] and cut.q_draft.shape == (2, 6)
+    base = params(adaptive=True, gamma=3, gamma_max=4)
+    assert next_gamma(3, 3, 3, base) == 4 and next_gamma(4, 4, 4, base) == 4
+    assert next_gamma(3, 3, 1, base) == 2 and next_gamma(1, 1, 0, base) == 1
+    assert next_gamma(3, 0, 0, base) == 3  # an empty draft changes nothing
+    assert next_gamma(3, 3, 3, params(adaptive=False)) == 3
+
+
+def test_budget_is_exact(tiny, prompt_ids) -> None:
+    for n in (1, 2, 7):
+        events = run_sd(tiny, prompt_ids, ModelProposer(tiny, tiny.vocab_size), max_new_tokens=n, gamma=5)
+        assert len(tokens_of(events)) == n and events[-1].stop_reason == "max_new_tokens"
+        assert all(len(r.draft_tokens) <= n - 1 for r in rounds_of(events))
+
+
+# --- sampling losslessness (chi-square on a vocabulary of 8) ----------------------------------------------
+
+
+def small_model(seed: int):
+    """Vocabulary 8, LM head scaled x10 so p is far from uniform (seed 0 peaks on token 1, seed 1 on 2)."""
+    model = tiny_llama(seed, vocab=8)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
+    model.generation_config.eos_token_id = 999  # never emitted: every run yields its two tokens
+    return wrap_model(model, ByteTokenizer(), spec=f"tiny-v8-{seed}")
+
+
+def chi2_critical(dof: int, z: float = 3.090) -> float:
+    """Upper 0.1% point of chi-square(dof) by the Wilson-Hilferty approximation."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def exact_joint(loaded, prompt: list[int], config) -> torch.Tensor:
+    """p(x1, x2) [V, V] from full forwards through the same processors."""
+    from lab.sampling import process_logits, target_distribution
+
+    def p_next(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = loaded.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].float()
+        return target_distribution(process_logits(logits, config, ids), config)
+
+    first = p_next(prompt)
+    return torch.stack([first[a] * p_next(prompt + [a]) for a in range(len(first))])
+
+
+def assert_joint_matches(samples: list[tuple[int, int]], joint: torch.Tensor) -> None:
+    counts = torch.zeros_like(joint)
+    for a, b in samples:
+        counts[a, b] += 1
+    expected = joint.flatten() * len(samples)
+    observed = counts.flatten()
+    assert float(observed[expected == 0].sum()) == 0, "a pair of probability 0 was emitted"
+    big = expected >= 5  # pool the rare cells into one category
+    pairs = list(zip(observed[big].tolist(), expected[big].tolist(), strict=True))
+    pairs.append((float(observed[~big].sum()), float(expected[~big].sum())))
+    statistic = sum((o - e) ** 2 / e for o, e in pairs if e > 0)
+    dof = sum(e > 0 for _, e in pairs) - 1
+    assert statistic < chi2_critical(dof), f"chi2 = {statistic:.1f} > {chi2_critical(dof):.1f} (dof {dof})"
+
+
+def draw_pairs(target, make_proposer_fn, n: int, **values) -> list[tuple[int, int]]:
+    built = params(max_new_tokens=2, gamma=1, **values)
+    generator, pairs = gen(11), []
+    for _ in range(n):
+        events = collect(decode_loop(target, [1], built, make_proposer_fn(), generator))
+        pairs.append(tuple(tokens_of(events)))
+    return pairs
+
+
+def test_sampling_matches_the_target_with_a_model_drafter() -> None:
+    target, drafter = small_model(0), small_model(1)
+    pairs = draw_pairs(target, lambda: ModelProposer(drafter, 8), N_DRAWS, temperature=1.0)
+    assert_joint_matches(pairs, exact_joint(target, [1], params(temperature=1.0).sampling))
+    # the check can fail: the drafter's own distribution is rejected
+    assert_joint_fails = exact_joint(drafter, [1], params(temperature=1.0).sampling)
+    with pytest.raises(AssertionError):
+        assert_joint_matches(pairs, assert_joint_fails)
+
+
+@pytest.mark.parametrize("case", ["one-hot q", "q = p", "disjoint supports"])
+def test_sampling_matches_the_target_with_processors(case: str) -> None:
+    target = small_model(0)
+    values = {"temperature": 0.8, "top_k": 4}
+    config = params(**values).sampling
+    joint = exact_joint(target, [1], config)
+    first = joint.sum(1)  # p(x1) [8]
+    if case == "one-hot q":
+        proposer = FixedProposer(int(first.argmax()))
+    elif case == "q = p":
+        proposer = FixedProposer(0, q_row=first)
+    else:  # q lives where p is 0: every draft is rejected and x1 is drawn from norm(max(0, p - q)) = p
+        outside = (first == 0).float()
+        proposer = FixedProposer(0, q_row=outside / outside.sum())
+    pairs = draw_pairs(target, lambda: proposer, N_DRAWS, **values)
+    assert_joint_matches(pairs, joint)
+
+
+# --- bench options ----------------------------------------------------------------------------------------
+
+
+def test_bench_param_overrides_parse() -> None:
+    parsed = parse_param_overrides(["speculative.drafter=self-draft", "speculative.gamma=4", "greedy.x=1"])
+    assert parsed == {"speculative": {"drafter": "self-draft", "gamma": "4"}, "greedy": {"x": "1"}}
+    for bad in (["drafter=self-draft"], ["speculative.=1"], ["speculative.gamma"]):
+        with pytest.raises(InputError):
+            parse_param_overrides(bad)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--strategies", "greedy", "--params", "speculative.gamma=4"], "not among the benched"),
+        (["--strategies", "speculative", "--params", "speculative.gamma=99"], "out of range"),
+        (["--strategies", "speculative", "--params", "speculative.drafter=medusa"], "not one of"),
+        (["--strategies", "speculative", "--params", "gamma=4"], "NAME.key=value"),
+    ],
+)
+def test_bench_bad_params_exit_2_before_loading(args: list[str], fragment: str, capsys) -> None:
+    from lab import cli
+
+    assert cli.main(["bench", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and fragment in err
+
+
+# --- views ------------------------------------------------------------------------------------------------
+
+
+def test_views_draw_the_rounds(tiny, prompt_ids) -> None:
+    events = run_sd(tiny, prompt_ids, ModelProposer(tiny_loaded_model(seed=1), tiny.vocab_size), max_new_tokens=20)
+    rounds = rounds_of(events)
+    strip = rounds_figure(events)
+    by_status = {trace.name: trace for trace in strip.data}
+    assert len(by_status["accepted"].x) == sum(r.accepted for r in rounds)
+    assert len(by_status["rejected"].x) == len(by_status["recovered"].x) == sum(r.recovered is not None for r in rounds)
+    assert len(by_status["bonus"].x) == sum(r.bonus is not None for r in rounds)
+    last = rounds[-1]
+    detail = round_detail_figure(events)
+    bars = {trace.name: trace for trace in detail.data}
+    assert list(bars["q(x)"].y) == last.q and list(bars["p(x)"].y) == last.p
+    assert list(bars["u (kept iff u < ratio)"].y) == last.uniforms
+    assert round_inspect(events, last.step).to_plotly_json() == detail.to_plotly_json()
+    alphas, lengths = running_stats(rounds)
+    stats = summarize(events)
+    assert alphas[-1] == pytest.approx(stats.acceptance_rate, abs=1e-4)
+    assert lengths[-1] == pytest.approx(stats.mean_accepted_length, abs=1e-4)
+    assert acceptance_figure(events).data and speedup_figure(events).data
+    assert VIEWS["speculative"].figures == (rounds_figure, round_detail_figure, acceptance_figure, speedup_figure)
+    for figure in (rounds_figure, round_detail_figure, acceptance_figure, speedup_figure):
+        empty = figure([])
+        assert not empty.data and empty.layout.annotations and empty.layout.uirevision
+    json.dumps(speedup_figure(events).to_plotly_json(), default=str)
+
+
+def test_theoretical_speedup_and_measured_costs() -> None:
+    assert theoretical_speedup(0.0, 5, 0.2) == pytest.approx(1 / 2)
+    assert theoretical_speedup(1.0, 4, 0.0) == 5.0
+    assert theoretical_speedup(0.8, 3, 0.1) == pytest.approx((1 - 0.8**4) / (0.2 * 1.3))
+    rounds = [
+        DraftRound(
+            0,
+            "m",
+            4,
+            [1, 2, 3, 4],
+            ["a"] * 4,
+            [1.0] * 4,
+            [1.0] * 4,
+            [0.1] * 4,
+            4,
+            None,
+            9,
+            "b",
+            draft_s=0.4,
+            verify_s=1.0,
+        ),
+        DraftRound(
+            1, "m", 4, [1, 2], ["a"] * 2, [1.0] * 2, [0.0] * 2, [0.1], 0, 7, None, "r", draft_s=0.2, verify_s=1.0
+        ),
+    ]
+    c, measured, mean_gamma = measured_costs(rounds)
+    assert c == pytest.approx((0.6 / 6) / 1.0) and mean_gamma == 3.0
+    assert measured == pytest.approx(3.0 * 1.0 / (0.3 + 1.0))  # 3 tokens per round
+    stats = summarize(rounds)
+    assert stats.acceptance_rate == pytest.approx(4 / 5) and stats.mean_accepted_length == 3.0
+    assert summarize([]).acceptance_rate is None and summarize([]).mean_accepted_length is None
+
+
+# --- embedded model ---------------------------------------------------------------------------------------
+
+EMBEDDED_PROMPTS = [p.text for p in BUILTIN_PROMPTS[::3]]  # 8 prompts, one per category
+EMBEDDED_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def embedded_greedy(embedded) -> dict[str, list[int]]:
+    return {text: greedy_tokens(embedded, embedded.encode(text), EMBEDDED_TOKENS) for text in EMBEDDED_PROMPTS}
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"drafter": "prompt-lookup"},
+        {"drafter": "self-draft", "draft_layers": 8, "gamma": 3},
+        {"drafter": "model", "draft_model": "smollm2-135m", "gamma": 4},
+    ],
+    ids=["prompt-lookup", "self-draft", "model"],
+)
+def test_embedded_greedy_sd_equals_greedy(embedded, embedded_greedy, values) -> None:
+    for text, expected in embedded_greedy.items():
+        events = run_sd(embedded, embedded.encode(text), max_new_tokens=EMBEDDED_TOKENS, **values)
+        assert tokens_of(events) == expected, text
+        assert events[-1].target_forwards <= len(expected) + 1
