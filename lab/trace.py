@@ -181,6 +181,61 @@ class DraftRound:
     verify_s: float = 0.0
 
 
+# --- multi-token heads detail events (Medusa, MTPC; EAGLE reuses TreeRound) ---
+
+
+@event_kind
+@dataclass(frozen=True)
+class TreeRound:
+    """One tree-speculation round (Cai et al. 2024 Medusa, Sec. 2.1.2; also EAGLE and MTPC): a draft tree
+    hanging off the last committed token (the root, not a node), verified in one target forward with the tree
+    attention mask. Per node i: `tokens[i]` / `texts[i]`, `parents[i]` (-1 = child of the root, parents come
+    first), `depths[i]` (0 = first drafted position), `heads[i]` (which head or draft step proposed it: Medusa
+    head k, EAGLE depth), `ranks[i]` (rank of the token in that head's distribution, 0 = top-1), `q[i]` (the
+    drafter's probability of the token given its parent: a Medusa head's marginal, MTPC's conditional, EAGLE's
+    draft prob) and `p[i]` (the target's processed probability of the token after the root-to-parent path).
+    `accepted` lists the kept node indices root first; `next_token` follows them (source "bonus" when the path
+    reached a leaf, "recovered" when it stopped early: the target's argmax / residual draw). `emitted` is how many
+    tokens the round added to the output (accepted + next, fewer when EOS or the budget cut it): the mean of
+    `emitted` over rounds is the mean accepted length tau (bonus included). `head_top_*[k]` are the top tokens of
+    draft position k's marginal at this round (heatmap rows). mode: greedy | typical | sample."""
+
+    step: int
+    method: str
+    mode: str
+    root_token: int
+    root_text: str
+    tokens: list[int]
+    texts: list[str]
+    parents: list[int]
+    depths: list[int]
+    heads: list[int]
+    ranks: list[int]
+    q: list[float]
+    p: list[float]
+    accepted: list[int]
+    next_token: int
+    next_text: str
+    next_source: str  # bonus | recovered
+    emitted: int
+    head_top_ids: list[list[int]] = field(default_factory=list)
+    head_top_texts: list[list[str]] = field(default_factory=list)
+    head_top_probs: list[list[float]] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+def _tree_stats(events: list[Event]) -> tuple[float | None, float | None]:
+    """(acceptance rate, mean accepted length) folded from TreeRound events, like `_draft_stats`: accepted nodes
+    over accepted + rounds that stopped before a leaf; tau = mean tokens emitted per round (bonus included)."""
+    rounds = [e for e in events if isinstance(e, TreeRound)]
+    if not rounds:
+        return None, None
+    accepted = sum(len(r.accepted) for r in rounds)
+    examined = accepted + sum(r.next_source == "recovered" for r in rounds)
+    return (round(accepted / examined, 4) if examined else None), round(sum(r.emitted for r in rounds) / len(rounds), 4)
+
+
 Event = Any  # any registered event dataclass
 
 
@@ -223,6 +278,8 @@ def summarize(events: list[Event]) -> Stats:
     forwards = finished.target_forwards if finished else len({e.step for e in tokens})
     n = len(tokens)
     acceptance_rate, mean_accepted_length = _draft_stats(events)
+    if mean_accepted_length is None:  # tree rounds (Medusa, MTPC, EAGLE)
+        acceptance_rate, mean_accepted_length = _tree_stats(events)
     return Stats(
         new_tokens=n,
         wall_s=round(wall, 4),
