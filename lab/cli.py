@@ -12,6 +12,7 @@ Not covered: interactive chat, batch runs of many prompts (use the bench), readi
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from contextlib import closing
@@ -20,6 +21,10 @@ from typing import Any
 
 from lab.models import DEVICES, DTYPES, EMBEDDED_MODEL, ModelLoadError
 from lab.params import InputError, param_specs
+
+# Modules that add subcommands: each defines register(commands, evaluations, add_model_options), adds its parsers
+# to `commands` (top-level) or `evaluations` (under `eval`) and sets `handler=fn(args) -> exit code` on them.
+PLUGIN_MODULES: tuple[str, ...] = ("lab.distill.cli", "lab.heads.cli")
 
 EXIT_OK, EXIT_INPUT, EXIT_MODEL, EXIT_INTERRUPTED = 0, 2, 3, 130
 DEVICE_HELP = "|".join(DEVICES)
@@ -37,7 +42,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The `lab` argument parser with its subcommands."""
     parser = argparse.ArgumentParser(prog="python -m lab", description="Decoding Lab: run LLM decoding strategies.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{list,run,bench,eval}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     listing = commands.add_parser("list", help="list the strategies by family")
     listing.add_argument("--json", action="store_true", help="print every strategy and its parameters as JSON")
     run = commands.add_parser("run", help="run one strategy on a prompt")
@@ -60,14 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--hf-assist", metavar="prompt-lookup|MODEL", help="add transformers assisted generation")
     _add_model_options(bench)
-    evaluate = commands.add_parser("eval", help="measure perplexity control (observed vs target surprise)")
-    evaluate.add_argument("strategy", choices=("mirostat",), help="the strategy to evaluate")
+    evaluate = commands.add_parser("eval", help="evaluate a strategy (see `eval -h` for the evaluations)")
+    evaluations = evaluate.add_subparsers(dest="evaluation", required=True)
+    evaluate = evaluations.add_parser("mirostat", help="measure perplexity control (observed vs target surprise)")
     evaluate.add_argument("--taus", default="2,3,4,5", help="target surprises in bits, comma-separated")
     evaluate.add_argument("--baselines", default="top-k=40,top-k=5,top-p=0.9,top-p=1", help="comparison rows")
     evaluate.add_argument("--prompts", default="builtin", help="builtin, a text file (one per line) or a JSON list")
     evaluate.add_argument("--limit", default="8", help="use only the first K prompts (default 8)")
     evaluate.add_argument("--json", action="store_true", help="print {config, rows} as JSON instead of a table")
     _add_model_options(evaluate)
+    evaluate.set_defaults(handler=cmd_eval)
+    for module_name in PLUGIN_MODULES:
+        importlib.import_module(module_name).register(commands, evaluations, _add_model_options)
     return parser
 
 
@@ -244,7 +253,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"list": cmd_list, "run": cmd_run, "bench": cmd_bench, "eval": cmd_eval}
+COMMANDS = {"list": cmd_list, "run": cmd_run, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse already printed "usage ... error: ..." (or --help)
         return exit_.code if isinstance(exit_.code, int) else EXIT_INPUT
     try:
-        return COMMANDS[args.command](args)
+        handler = COMMANDS.get(args.command) or args.handler
+        return handler(args)
     except InputError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_INPUT

@@ -1,18 +1,34 @@
 """Strategy registry: one module per method, looked up by the names the CLI, app, bench and traces share.
 
-Planned names, in the order their issues land: greedy, sample, dola, cfg, mirostat, speculative, ssd, medusa,
-mtpc, eagle, tot, rlm. Only implemented strategies are registered.
+Every module of this package that defines `STRATEGY` is registered (found with pkgutil, so adding a strategy
+is adding a module); `ORDER` fixes the listing order, unknown names come after it alphabetically.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from lab.params import InputError
-from strategies import cfg, dola, greedy, mirostat, sample, speculative
 from strategies.base import FAMILIES, Strategy, collect
 
-REGISTRY: dict[str, Strategy] = {
-    module.STRATEGY.name: module.STRATEGY for module in (greedy, sample, dola, cfg, mirostat, speculative)
-}
+ORDER = ("greedy", "sample", "dola", "cfg", "mirostat", "speculative", "ssd", "medusa", "mtpc", "eagle", "tot", "rlm")
+
+
+def _discover() -> dict[str, Strategy]:
+    """Import every strategy module of this package and key its STRATEGY by name, in ORDER."""
+    found: dict[str, Strategy] = {}
+    for info in pkgutil.iter_modules(__path__):
+        if info.name == "base" or info.name.startswith("_"):
+            continue
+        strategy = getattr(importlib.import_module(f"{__name__}.{info.name}"), "STRATEGY", None)
+        if isinstance(strategy, Strategy):
+            found[strategy.name] = strategy
+    rank = {name: index for index, name in enumerate(ORDER)}
+    return dict(sorted(found.items(), key=lambda item: (rank.get(item[0], len(ORDER)), item[0])))
+
+
+REGISTRY: dict[str, Strategy] = _discover()
 
 
 def get_strategy(name: str) -> Strategy:

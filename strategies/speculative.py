@@ -43,7 +43,7 @@ from lab.params import DecodeParams, param
 from lab.proposers import DRAFTERS, Draft, DraftContext, Proposer, Verification, make_proposer, verify_draft
 from lab.sampling import SamplingConfig
 from lab.text import IncrementalDetokenizer
-from lab.trace import DraftRound, Event, RunFinished, TokenEmitted
+from lab.trace import DraftRound, Event, PipelineSpan, RunFinished, TokenEmitted
 from strategies.base import Strategy
 
 TOP_ALTERNATIVES = 8  # per emitted token (TokenEmitted)
@@ -57,7 +57,7 @@ class SpeculativeParams(DecodeParams):
         choices=DRAFTERS,
         help="Who drafts: n-gram lookup in the text (q = None), the target's first L layers, or a draft model.",
     )
-    gamma: int = param(6, low=1, high=16, help="Draft length gamma: tokens proposed per target forward.")
+    gamma: int = param(6, low=1, high=16, help="Draft length gamma: tokens proposed per target forward (at most).")
     adaptive: bool = param(False, help="Adapt gamma: +1 after a fully accepted draft, -1 after a rejection.")
     gamma_max: int = param(12, low=1, high=32, help="Upper bound of adaptive gamma (the start is clipped to it).")
     draft_model: str = param(
@@ -168,6 +168,15 @@ def emitted(v: Verification, eos: tuple[int, ...]) -> tuple[list[int], Verificat
     return tokens, v
 
 
+def _spans(step: int, start: float, draft_s: float, verify_s: float) -> tuple[PipelineSpan, PipelineSpan]:
+    """The round's two serial spans (drafter then target, on one thread) for the pipeline timeline."""
+    verify_start = start + draft_s
+    return (
+        PipelineSpan(step, "drafter", "draft", round(start, 6), round(verify_start, 6)),
+        PipelineSpan(step, "target", "verify", round(verify_start, 6), round(verify_start + verify_s, 6)),
+    )
+
+
 @dataclass
 class Output:
     """The text side of a run: tokens so far, the streaming detokenizer, token texts, the clock."""
@@ -224,6 +233,7 @@ def decode_loop(
             proposer.accept(len(v.acceptance.accepted))  # 4. the drafter rolls back (verify_draft crops the target)
             tokens, v = emitted(v, eos)
             yield round_event(step, proposer.name, context.gamma, draft, v, out.text_of, (draft_s, v.verify_s))  # 5.
+            yield from _spans(step, t0 - out.start, draft_s, v.verify_s)
             yield from out.token_events(step, tokens, v)
             last = tokens[-1]
             gamma = next_gamma(gamma, len(draft.tokens), len(v.acceptance.accepted), params)  # 6.

@@ -1,4 +1,4 @@
-"""Vanilla speculative decoding: proposers, the verifier, the strategy's events, losslessness, views and bench.
+"""Vanilla speculative decoding: proposers, the verifier, the events and losslessness (views: *_views.py).
 
 Unit part on tiny random Llamas (tests/tiny.py): greedy output equals plain greedy for every drafter, for an
 always-right and an always-wrong drafter; sampling output is distributed as the target's own distribution
@@ -8,13 +8,9 @@ greedy equality on the embedded SmolLM2 in fp32 for the three drafters on builti
 
 from __future__ import annotations
 
-import json
-import math
-
 import pytest
 import torch
 
-from lab.bench import parse_param_overrides
 from lab.models import wrap_model
 from lab.params import InputError, build_params
 from lab.prompts import BUILTIN_PROMPTS
@@ -33,18 +29,8 @@ from lab.runtime import early_exit_logits, forward, new_state
 from lab.trace import DraftRound, RunFinished, TokenEmitted, Trace, from_json, summarize, to_json
 from strategies import collect, get_strategy
 from strategies.speculative import SpeculativeParams, cut_at_eos, decode_loop, next_gamma
+from tests.stats import assert_joint_matches
 from tests.tiny import ByteTokenizer, tiny_llama, tiny_loaded_model
-from visualizers import VIEWS
-from visualizers.speculative import (
-    acceptance_figure,
-    measured_costs,
-    round_detail_figure,
-    round_inspect,
-    rounds_figure,
-    running_stats,
-    speedup_figure,
-    theoretical_speedup,
-)
 
 SD = get_strategy("speculative")
 GREEDY = get_strategy("greedy")
@@ -168,8 +154,13 @@ def test_model_proposer_syncs_its_cache_on_any_context(tiny) -> None:
     assert cached.state.tokens == a + first.tokens[:2]
     again = cached.propose(DraftContext(b, 4, config, gen()))
     fresh = ModelProposer(drafter, tiny.vocab_size).propose(DraftContext(b, 4, config, gen()))
-    assert again.tokens == fresh.tokens and torch.equal(again.q_draft, fresh.q_draft)
-    assert again.q_draft.shape == (4, tiny.vocab_size) and torch.all(again.q_draft.sum(-1) == 1)
+    assert again.tokens == fresh.tokens and again.q_draft is None and fresh.q_draft is None  # greedy: deterministic
+    sampling = params(temperature=1.0).sampling
+    again = cached.propose(DraftContext(a, 3, sampling, gen(5)))
+    fresh = ModelProposer(drafter, tiny.vocab_size).propose(DraftContext(a, 3, sampling, gen(5)))
+    assert again.tokens == fresh.tokens and torch.allclose(again.q_draft, fresh.q_draft, atol=1e-6)
+    assert again.q_draft.shape == (3, tiny.vocab_size)
+    torch.testing.assert_close(again.q_draft.sum(-1), torch.ones(3))
 
 
 def test_self_draft_view_shares_weights_and_equals_the_early_exit(tiny) -> None:
@@ -319,11 +310,6 @@ def small_model(seed: int):
     return wrap_model(model, ByteTokenizer(), spec=f"tiny-v8-{seed}")
 
 
-def chi2_critical(dof: int, z: float = 3.090) -> float:
-    """Upper 0.1% point of chi-square(dof) by the Wilson-Hilferty approximation."""
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
-
-
 def exact_joint(loaded, prompt: list[int], config) -> torch.Tensor:
     """p(x1, x2) [V, V] from full forwards through the same processors."""
     from lab.sampling import process_logits, target_distribution
@@ -335,21 +321,6 @@ def exact_joint(loaded, prompt: list[int], config) -> torch.Tensor:
 
     first = p_next(prompt)
     return torch.stack([first[a] * p_next(prompt + [a]) for a in range(len(first))])
-
-
-def assert_joint_matches(samples: list[tuple[int, int]], joint: torch.Tensor) -> None:
-    counts = torch.zeros_like(joint)
-    for a, b in samples:
-        counts[a, b] += 1
-    expected = joint.flatten() * len(samples)
-    observed = counts.flatten()
-    assert float(observed[expected == 0].sum()) == 0, "a pair of probability 0 was emitted"
-    big = expected >= 5  # pool the rare cells into one category
-    pairs = list(zip(observed[big].tolist(), expected[big].tolist(), strict=True))
-    pairs.append((float(observed[~big].sum()), float(expected[~big].sum())))
-    statistic = sum((o - e) ** 2 / e for o, e in pairs if e > 0)
-    dof = sum(e > 0 for _, e in pairs) - 1
-    assert statistic < chi2_critical(dof), f"chi2 = {statistic:.1f} > {chi2_critical(dof):.1f} (dof {dof})"
 
 
 def draw_pairs(target, make_proposer_fn, n: int, **values) -> list[tuple[int, int]]:
@@ -387,96 +358,6 @@ def test_sampling_matches_the_target_with_processors(case: str) -> None:
         proposer = FixedProposer(0, q_row=outside / outside.sum())
     pairs = draw_pairs(target, lambda: proposer, N_DRAWS, **values)
     assert_joint_matches(pairs, joint)
-
-
-# --- bench options ----------------------------------------------------------------------------------------
-
-
-def test_bench_param_overrides_parse() -> None:
-    parsed = parse_param_overrides(["speculative.drafter=self-draft", "speculative.gamma=4", "greedy.x=1"])
-    assert parsed == {"speculative": {"drafter": "self-draft", "gamma": "4"}, "greedy": {"x": "1"}}
-    for bad in (["drafter=self-draft"], ["speculative.=1"], ["speculative.gamma"]):
-        with pytest.raises(InputError):
-            parse_param_overrides(bad)
-
-
-@pytest.mark.parametrize(
-    ("args", "fragment"),
-    [
-        (["--strategies", "greedy", "--params", "speculative.gamma=4"], "not among the benched"),
-        (["--strategies", "speculative", "--params", "speculative.gamma=99"], "out of range"),
-        (["--strategies", "speculative", "--params", "speculative.drafter=medusa"], "not one of"),
-        (["--strategies", "speculative", "--params", "gamma=4"], "NAME.key=value"),
-    ],
-)
-def test_bench_bad_params_exit_2_before_loading(args: list[str], fragment: str, capsys) -> None:
-    from lab import cli
-
-    assert cli.main(["bench", *args]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and fragment in err
-
-
-# --- views ------------------------------------------------------------------------------------------------
-
-
-def test_views_draw_the_rounds(tiny, prompt_ids) -> None:
-    events = run_sd(tiny, prompt_ids, ModelProposer(tiny_loaded_model(seed=1), tiny.vocab_size), max_new_tokens=20)
-    rounds = rounds_of(events)
-    strip = rounds_figure(events)
-    by_status = {trace.name: trace for trace in strip.data}
-    assert len(by_status["accepted"].x) == sum(r.accepted for r in rounds)
-    assert len(by_status["rejected"].x) == len(by_status["recovered"].x) == sum(r.recovered is not None for r in rounds)
-    assert len(by_status["bonus"].x) == sum(r.bonus is not None for r in rounds)
-    last = rounds[-1]
-    detail = round_detail_figure(events)
-    bars = {trace.name: trace for trace in detail.data}
-    assert list(bars["q(x)"].y) == last.q and list(bars["p(x)"].y) == last.p
-    assert list(bars["u (kept iff u < ratio)"].y) == last.uniforms
-    assert round_inspect(events, last.step).to_plotly_json() == detail.to_plotly_json()
-    alphas, lengths = running_stats(rounds)
-    stats = summarize(events)
-    assert alphas[-1] == pytest.approx(stats.acceptance_rate, abs=1e-4)
-    assert lengths[-1] == pytest.approx(stats.mean_accepted_length, abs=1e-4)
-    assert acceptance_figure(events).data and speedup_figure(events).data
-    assert VIEWS["speculative"].figures == (rounds_figure, round_detail_figure, acceptance_figure, speedup_figure)
-    for figure in (rounds_figure, round_detail_figure, acceptance_figure, speedup_figure):
-        empty = figure([])
-        assert not empty.data and empty.layout.annotations and empty.layout.uirevision
-    json.dumps(speedup_figure(events).to_plotly_json(), default=str)
-
-
-def test_theoretical_speedup_and_measured_costs() -> None:
-    assert theoretical_speedup(0.0, 5, 0.2) == pytest.approx(1 / 2)
-    assert theoretical_speedup(1.0, 4, 0.0) == 5.0
-    assert theoretical_speedup(0.8, 3, 0.1) == pytest.approx((1 - 0.8**4) / (0.2 * 1.3))
-    rounds = [
-        DraftRound(
-            0,
-            "m",
-            4,
-            [1, 2, 3, 4],
-            ["a"] * 4,
-            [1.0] * 4,
-            [1.0] * 4,
-            [0.1] * 4,
-            4,
-            None,
-            9,
-            "b",
-            draft_s=0.4,
-            verify_s=1.0,
-        ),
-        DraftRound(
-            1, "m", 4, [1, 2], ["a"] * 2, [1.0] * 2, [0.0] * 2, [0.1], 0, 7, None, "r", draft_s=0.2, verify_s=1.0
-        ),
-    ]
-    c, measured, mean_gamma = measured_costs(rounds)
-    assert c == pytest.approx((0.6 / 6) / 1.0) and mean_gamma == 3.0
-    assert measured == pytest.approx(3.0 * 1.0 / (0.3 + 1.0))  # 3 tokens per round
-    stats = summarize(rounds)
-    assert stats.acceptance_rate == pytest.approx(4 / 5) and stats.mean_accepted_length == 3.0
-    assert summarize([]).acceptance_rate is None and summarize([]).mean_accepted_length is None
 
 
 # --- embedded model ---------------------------------------------------------------------------------------

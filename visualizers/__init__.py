@@ -3,14 +3,16 @@
 Covers: the token view (`token_view_html`, `alternatives_table`), the baseline top-k heatmap (`topk_figure`,
 `empty_figure`) and the per-strategy view registry `VIEWS`: each strategy names the figures it draws (in order,
 the first is its main live view) and optionally the steps the token view should highlight. Unknown strategies
-fall back to the baseline view. Shared colours and layout live in `visualizers.style`. This package imports
+fall back to the baseline view. Besides the views listed here, every module of this package that defines
+`VIEWS: dict[str, StrategyView]` (see `visualizers.view`) is collected, so a new strategy's visualizer registers
+itself. Shared colours and layout live in `visualizers.style`. This package imports
 plotly, the standard library and `lab.trace` only: never torch or gradio (tests/test_boundaries.py enforces it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import importlib
+import pkgutil
 
 import plotly.graph_objects as go
 
@@ -35,21 +37,7 @@ from visualizers.speculative import (
 from visualizers.style import STATUS_COLORS, TOKEN_BACKGROUNDS, base_layout, display_token, distinct_labels
 from visualizers.tokens import alternatives_table, token_view_html
 from visualizers.topk import empty_figure, topk_figure
-
-FigureFn = Callable[[list[Event]], go.Figure]
-
-
-@dataclass(frozen=True)
-class StrategyView:
-    """What the lab draws for a strategy: figures (main view first) and token-view highlights."""
-
-    figures: tuple[FigureFn, ...]
-    highlight_steps: Callable[[list[Event]], set[int]] | None = None
-    highlight_label: str = ""
-    # (events, step, **knobs) -> figure of one step; knobs the strategy understands (e.g. gamma for CFG)
-    inspect: Callable[..., go.Figure] = step_alternatives_figure
-    knobs: tuple[str, ...] = ()
-
+from visualizers.view import StrategyView
 
 BASELINE_VIEW = StrategyView(figures=(topk_figure,))
 
@@ -78,6 +66,18 @@ VIEWS: dict[str, StrategyView] = {
         knobs=("gamma",),
     ),
 }
+
+
+def _collect_module_views() -> None:
+    """Merge the VIEWS of every visualizer module that defines one (modules register their own strategies)."""
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        views = getattr(module, "VIEWS", None)
+        if isinstance(views, dict):
+            VIEWS.update(views)
+
+
+_collect_module_views()
 
 
 def strategy_view(strategy_name: str) -> StrategyView:

@@ -22,6 +22,8 @@ Imports plotly, the standard library and lab.trace only.
 
 from __future__ import annotations
 
+import html
+
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -33,6 +35,12 @@ PLACEHOLDER = "No speculative rounds yet"
 UNVERIFIED = "not verified"
 STRIP_STATUSES = ("accepted", "rejected", UNVERIFIED, "recovered", "bonus")
 GAMMAS = list(range(1, 11))
+
+
+def _shown(text: str) -> str:
+    """A token for plotly text: whitespace made visible, <, > and & escaped (plotly decodes those entities but
+    shows &quot; and &#x27; literally, so quotes stay as they are)."""
+    return html.escape(display_token(text, escape=False), quote=False)
 
 
 def _rounds(events: list[Event]) -> list[DraftRound]:
@@ -56,15 +64,13 @@ def _cells(rounds: list[DraftRound]) -> dict[str, list[tuple[int, int, str, str]
         for i, (text, p, q) in enumerate(zip(r.draft_texts, r.p, r.q, strict=True)):
             status = _draft_status(r, i)
             u = f", u = {r.uniforms[i]:.3f}" if i < len(r.uniforms) else ""
-            hover = (
-                f"round {r.step} · position {i + 1}<br>{display_token(text)} {status}<br>p = {p:.4f}, q = {q:.4f}{u}"
-            )
-            cells[status].append((i + 1, r.step, display_token(text), hover))
+            hover = f"round {r.step} · position {i + 1}<br>{_shown(text)} {status}<br>p = {p:.4f}, q = {q:.4f}{u}"
+            cells[status].append((i + 1, r.step, _shown(text), hover))
         final = "recovered" if r.recovered is not None else "bonus" if r.bonus is not None else None
         if final:
             where = f"replaces draft position {r.accepted + 1}" if final == "recovered" else "after a full draft"
-            hover = f"round {r.step} · {final} {display_token(r.final_text)}<br>{where}"
-            cells[final].append((len(r.draft_tokens) + 1, r.step, display_token(r.final_text), hover))
+            hover = f"round {r.step} · {final} {_shown(r.final_text)}<br>{where}"
+            cells[final].append((len(r.draft_tokens) + 1, r.step, _shown(r.final_text), hover))
     return cells
 
 
@@ -108,13 +114,13 @@ def _round_at(events: list[Event], round_index: int) -> DraftRound | None:
 
 def _alternatives_hover(r: DraftRound, i: int) -> str:
     rows = zip(r.alt_texts[i], r.alt_p[i], r.alt_q[i], strict=True) if i < len(r.alt_texts) else []
-    lines = [f"{display_token(t)}: p = {p:.4f}, q = {q:.4f}" for t, p, q in rows]
-    return f"position {i + 1}: {display_token(r.draft_texts[i])} ({_draft_status(r, i)})<br>" + "<br>".join(lines)
+    lines = [f"{_shown(t)}: p = {p:.4f}, q = {q:.4f}" for t, p, q in rows]
+    return f"position {i + 1}: {_shown(r.draft_texts[i])} ({_draft_status(r, i)})<br>" + "<br>".join(lines)
 
 
 def _detail_title(r: DraftRound) -> str:
-    end = f"recovered {display_token(r.final_text)}" if r.recovered is not None else ""
-    end = end or (f"bonus {display_token(r.final_text)}" if r.bonus is not None else "no final token")
+    end = f"recovered {_shown(r.final_text)}" if r.recovered is not None else ""
+    end = end or (f"bonus {_shown(r.final_text)}" if r.bonus is not None else "no final token")
     return f"Round {r.step} ({r.drafter}): {len(r.draft_tokens)} drafted, {r.accepted} accepted, {end}"
 
 
@@ -125,7 +131,7 @@ def round_detail_figure(events: list[Event], round_index: int = -1) -> go.Figure
         return empty_figure("Round detail: q vs p", PLACEHOLDER)
     fig = make_subplots(rows=1, cols=2, column_widths=[0.68, 0.32], subplot_titles=("q vs p", "residual"))
     fig.update_layout(**base_layout(_detail_title(r), height=360))
-    xs = distinct_labels([f"{i + 1}: {display_token(t)}" for i, t in enumerate(r.draft_texts)])
+    xs = distinct_labels([f"{i + 1}: {_shown(t)}" for i, t in enumerate(r.draft_texts)])
     hovers = [_alternatives_hover(r, i) for i in range(len(xs))]
     for name, values, color in (("q(x)", r.q, STATUS_COLORS["target"]), ("p(x)", r.p, STATUS_COLORS["bonus"])):
         bar = go.Bar(x=xs, y=values, name=name, marker_color=color, customdata=hovers, hovertemplate="%{customdata}")
@@ -135,7 +141,7 @@ def round_detail_figure(events: list[Event], round_index: int = -1) -> go.Figure
     colors = [_color(_draft_status(r, i)) for i in range(len(r.uniforms))]
     fig.add_trace(_marker(xs, r.uniforms, "u (kept iff u < ratio)", "diamond", colors), row=1, col=1)
     if r.residual_top_probs:
-        labels = distinct_labels([display_token(t) for t in r.residual_top_texts])
+        labels = distinct_labels([_shown(t) for t in r.residual_top_texts])
         colors = [
             STATUS_COLORS["recovered"] if i == r.recovered else STATUS_COLORS["pruned"] for i in r.residual_top_ids
         ]
@@ -193,7 +199,7 @@ def acceptance_figure(events: list[Event]) -> go.Figure:
     xs = [r.step for r in rounds]
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     fig.update_layout(**base_layout(title, height=300))
-    counts = go.Bar(x=xs, y=[r.accepted for r in rounds], name="accepted in round", marker_color="#cbd5e1")
+    counts = go.Bar(x=xs, y=[r.accepted for r in rounds], name="accepted in round", marker_color="#cbd5e1", opacity=0.6)
     fig.add_trace(counts, secondary_y=True)
     fig.add_trace(_line(xs, lengths, "mean accepted length (tokens / round)", STATUS_COLORS["bonus"]), secondary_y=True)
     fig.add_trace(_line(xs, alphas, "acceptance rate alpha", STATUS_COLORS["accepted"]), secondary_y=False)

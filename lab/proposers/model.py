@@ -3,9 +3,10 @@
 `ModelProposer` drafts x_1..x_gamma autoregressively from any `LoadedModel`, with its own KV cache: each
 proposal first rolls the cache back to the longest common prefix with the committed tokens (`lab.runtime.crop`)
 and feeds the missing tokens in one forward, then runs gamma - 1 decode steps. q_i = the draft's distribution
-after the same logits processors as the target (`lab.sampling.process_logits` and `target_distribution`, so
-one-hot argmax in greedy mode), and x_i is drawn from q_i with the run's generator (Leviathan et al. 2023,
-Alg. 1, lines 1-3). The last drafted token is never fed to the drafter; the next proposal feeds it if kept.
+after the same logits processors as the target (`lab.sampling.process_logits` and `target_distribution`), and
+x_i is drawn from q_i with the run's generator (Leviathan et al. 2023, Alg. 1, lines 1-3); in greedy mode x_i is
+the argmax, a deterministic draft, so q_draft is None (q one-hot at x_i). The last drafted token is never fed
+to the drafter; the next proposal feeds it if kept.
 `self_draft_view(target, L)` builds the self-drafter (as in Draft & Verify, Zhang et al. 2024, and LayerSkip,
 Elhoushi et al. 2024, without their training): a shallow copy of the target that shares every parameter
 (embeddings, the first L decoder layers, the final norm, the LM head) and has `num_hidden_layers = L`, so it
@@ -73,6 +74,9 @@ def self_draft_view(target: LoadedModel, n_layers: int) -> LoadedModel:
     if not 1 <= n_layers <= total:
         raise InputError(f"draft_layers = {n_layers} must be between 1 and the target's {total} layers.")
     decoder = target.model.get_decoder()
+    name = next((key for key, module in target.model._modules.items() if module is decoder), None)
+    if name is None or not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
+        raise InputError(f"self-draft needs a decoder-only LM with a `layers` list; {target.spec!r} differs.")
     config = copy.deepcopy(target.model.config)
     config.num_hidden_layers = n_layers
     if isinstance(getattr(config, "layer_types", None), list):
@@ -83,7 +87,6 @@ def self_draft_view(target: LoadedModel, n_layers: int) -> LoadedModel:
     view_decoder.config = config
     view = copy.copy(target.model)
     view._modules = dict(target.model._modules)
-    name = next(key for key, module in target.model._modules.items() if module is decoder)
     setattr(view, name, view_decoder)
     view.config = config
     return wrap_model(view, target.tokenizer, spec=f"{target.spec}[:{n_layers}]")
@@ -96,6 +99,14 @@ def _fit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
     if logits.shape[-1] > size:
         return logits[..., :size]
     return torch.nn.functional.pad(logits, (0, size - logits.shape[-1]), value=float("-inf"))
+
+
+def _candidates(processed: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+    """The k most likely tokens of softmax(processed logits) [V] and their probabilities (in greedy mode the
+    logits are unscaled, i.e. temperature 1: used for ranking SSD's outcomes only)."""
+    top_logits, top_ids = torch.topk(processed, min(k, processed.shape[-1]))
+    probs = (top_logits - torch.logsumexp(processed, dim=-1)).exp()
+    return top_ids.tolist(), [round(p, 6) for p in probs.tolist()]
 
 
 class ModelProposer:
@@ -120,24 +131,33 @@ class ModelProposer:
         return runtime.forward(self.state, tokens[common:], last_only=True).logits[-1]
 
     def propose(self, context: DraftContext) -> Draft:
-        """Draw x_i ~ q_i for i = 1..gamma (stopping after EOS); q_i after the target's processors."""
+        """Draw x_i ~ q_i for i = 1..gamma (stopping after EOS or when `context.should_stop()`); q_i after the
+        target's processors. With `context.fanout` the top fanout + 1 tokens of each q_i are reported (SSD)."""
         if context.gamma <= 0:
             self._kept_length = self.state.length
             return Draft([])
         logits = self._sync(context.tokens)  # [V_d]
         self._kept_length = self.state.length
-        history, drafted, rows = list(context.tokens), [], []
+        history, drafted, rows, top_ids, top_probs = list(context.tokens), [], [], [], []
         for i in range(context.gamma):
             processed = process_logits(_fit_vocab(logits, self.vocab_size), context.config, history)  # [V]
-            q = target_distribution(processed, context.config)  # [V]
-            token = int(q.argmax()) if context.config.greedy else sample(q, context.generator)
+            if context.config.greedy:  # argmax drafting is deterministic: q = one-hot at x_i, i.e. q_draft None
+                token = int(processed.argmax())
+            else:
+                rows.append(target_distribution(processed, context.config))  # q_i [V]
+                token = sample(rows[-1], context.generator)
+            if context.fanout:
+                ids, probs = _candidates(processed, context.fanout + 1)
+                top_ids.append(ids)
+                top_probs.append(probs)
             drafted.append(token)
-            rows.append(q)
             history.append(token)
-            if token in context.eos_token_ids or i + 1 == context.gamma:
+            stop = context.should_stop is not None and context.should_stop()
+            if token in context.eos_token_ids or i + 1 == context.gamma or stop:
                 break
             logits = runtime.decode_step(self.state, token).logits[-1]  # [V_d]
-        return Draft(drafted, torch.stack(rows))  # q: [gamma, V]
+        q = torch.stack(rows) if rows else None  # q: [n, V] or None (greedy)
+        return Draft(drafted, q, None, top_ids or None, top_probs or None)
 
     def accept(self, n_accepted: int) -> None:
         """Keep the committed prefix and the first n accepted draft tokens; the rest of the cache is dropped."""

@@ -1,0 +1,1 @@
+"""Self-distillation data for draft heads: prompts, generation, loading."""

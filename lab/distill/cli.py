@@ -1,0 +1,66 @@
+"""`python -m lab distill`: make (or resume) the self-distillation data set (`lab.distill.generate`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lab.distill.generate import DistillSettings, run_distill
+
+DEFAULT_OUT = "data/distill/{slug}"
+
+
+def _slug(model: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in model.rstrip("/").split("/")[-1])
+
+
+def _progress_bar(total_hint: int = 0):
+    from tqdm import tqdm
+
+    bar = tqdm(total=total_hint or None, unit="batch", file=sys.stderr)
+
+    def report(done: int, total: int, message: str) -> None:
+        bar.total = total
+        bar.n = done
+        bar.set_postfix_str(message)
+        bar.refresh()
+
+    return report
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from lab.cli import _int_option
+    from lab.models import load_model
+    from lab.validation import validate_seed
+
+    limit = _int_option("--limit", args.limit)
+    settings = DistillSettings(
+        model=args.model,
+        max_new_tokens=_int_option("--max-new-tokens", args.max_new_tokens) or 256,
+        samples=_int_option("--samples", args.samples),
+        temperature=float(args.temperature),
+        top_k=_int_option("--top-k", args.top_k),
+        batch_size=_int_option("--batch-size", args.batch_size),
+        seed=validate_seed(args.seed),
+        limit=limit,
+    )
+    settings.check()
+    loaded = load_model(args.model, args.device, args.dtype)
+    out = Path(args.out or DEFAULT_OUT.format(slug=_slug(args.model)))
+    run_distill(loaded, settings, out, _progress_bar())
+    print(f"data in {out}", file=sys.stderr)
+    return 0
+
+
+def register(commands, evaluations, add_model_options) -> None:
+    """Add `distill` to the top-level commands."""
+    parser = commands.add_parser("distill", help="make self-distillation data for training draft heads (resumable)")
+    parser.add_argument("--out", default=None, help="output folder (default data/distill/<model name>)")
+    parser.add_argument("--limit", default=None, help="use only the first K prompts of the 336")
+    parser.add_argument("--samples", default="1", help="sampled responses per prompt besides the greedy one")
+    parser.add_argument("--temperature", default="0.8", help="temperature of the sampled responses")
+    parser.add_argument("--top-k", default="32", help="how many next-token probabilities to store per position")
+    parser.add_argument("--batch-size", default="8", help="prompts per generate batch (and per shard)")
+    add_model_options(parser)
+    parser.set_defaults(handler=cmd_distill)

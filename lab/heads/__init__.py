@@ -1,0 +1,1 @@
+"""Draft heads trained on self-distillation data (Medusa, MTPC, EAGLE): storage, loading and the training CLI."""
