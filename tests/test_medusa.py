@@ -1,0 +1,186 @@
+"""Medusa: candidate trees, tree verification exactness on tiny random Llamas, training plumbing, shipped heads."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from lab.heads.medusa import MedusaHeads, prune_choices, residual_blocks, tree_from_choices, tune_choices
+from lab.trace import TreeRound, summarize
+from strategies.base import collect
+from strategies.greedy import GreedyParams
+from strategies.greedy import run as greedy_run
+from strategies.medusa import MedusaDrafter, TreeParams, tree_decode_loop, typical_path
+from tests.tiny import tiny_loaded_model
+
+CHOICES = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]
+
+
+def random_heads(loaded, heads: int = 4, scale: float = 0.05, seed: int = 1) -> MedusaHeads:
+    torch.manual_seed(seed)
+    hidden, vocab = int(loaded.config.hidden_size), loaded.vocab_size
+    tensors = {
+        "blocks.weight": scale * torch.randn(heads, hidden, hidden),
+        "blocks.bias": torch.zeros(heads, hidden),
+        "vocab": torch.arange(vocab),
+    }
+    return MedusaHeads.from_tensors(loaded.lm_head.weight, tensors, {"choices": [list(c) for c in CHOICES]})
+
+
+def greedy_tokens(loaded, prompt: list[int], n: int) -> list[int]:
+    events = collect(greedy_run(loaded, prompt, GreedyParams(max_new_tokens=n), torch.Generator()))
+    return [e.token_id for e in events if hasattr(e, "token_id")]
+
+
+def tree_tokens(loaded, prompt, params, drafter, seed: int = 0) -> tuple[list[int], list]:
+    events = collect(tree_decode_loop(loaded, prompt, params, drafter, torch.Generator().manual_seed(seed)))
+    return [e.token_id for e in events if hasattr(e, "token_id") and not isinstance(e, TreeRound)], events
+
+
+def test_tree_from_choices_builds_parents_first_and_drops_children_of_eos() -> None:
+    probs = torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3], [0.2, 0.2, 0.6]])  # [depth, V_d]
+    vocab = torch.tensor([10, 11, 12])
+    tree = tree_from_choices(
+        [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)], lambda prefix: probs[len(prefix)], vocab, eos_ids=(12,)
+    )
+    # depth 0: rank 0 = 11, rank 1 = 12 (EOS: its child (1, 0) is dropped); depth 1: 10, 12; depth 2: 12
+    assert tree.tokens == [11, 12, 10, 12, 12]
+    assert tree.parents == [-1, -1, 0, 0, 2]
+    assert tree.depths == [0, 0, 1, 1, 2] and tree.ranks == [0, 1, 0, 1, 0]
+    assert tree.q == pytest.approx([0.6, 0.3, 0.5, 0.3, 0.6])
+
+
+def test_prune_and_tune_choices_keep_valid_trees() -> None:
+    accuracy = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]]
+    choices = tune_choices(accuracy, max_nodes=8)
+    assert choices[:3] == [(0,), (0, 0), (1,)]  # 0.6, 0.24, 0.2
+    for n in range(1, len(choices) + 1):
+        present = set(choices[:n])
+        assert all(len(p) == 1 or p[:-1] in present for p in choices[:n])
+    assert prune_choices(choices, 8, max_depth=1, num_heads=4) == [(0,), (1,), (2,)]
+    assert all(len(p) <= 2 for p in prune_choices(choices, 8, max_depth=5, num_heads=2))
+
+
+def test_residual_blocks_start_as_identity() -> None:
+    h = torch.randn(3, 8)
+    out = residual_blocks(h, torch.zeros(2, 8, 8), torch.zeros(2, 8))
+    assert torch.equal(out, h[:, None, :].expand(3, 2, 8))
+
+
+def test_typical_acceptance_takes_the_longest_path_above_the_threshold() -> None:
+    # root 0 -> nodes 1 (token 1), 2 (token 2); node 1 -> node 3 (token 0)
+    parents, tokens = [-1, 0, 0, 1], [5, 1, 2, 0]
+    probs = torch.tensor([[0.05, 0.5, 0.45], [0.9, 0.05, 0.05], [1.0, 0.0, 0.0], [1 / 3, 1 / 3, 1 / 3]])
+    params = TreeParams(mode="typical", epsilon=0.09, delta=0.3)
+    assert typical_path(parents, tokens, probs, params) == [0, 1, 3]
+    probs[1] = torch.tensor([0.05, 0.9, 0.05])  # node 3 (token 0) falls below the threshold
+    assert typical_path(parents, tokens, probs, params) == [0, 1]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_medusa_equals_greedy_with_random_heads(seed: int) -> None:
+    loaded = tiny_loaded_model(seed)
+    prompt = list(b"hello tree")
+    drafter = MedusaDrafter(random_heads(loaded, seed=seed), 9, loaded.eos_token_ids)
+    tokens, events = tree_tokens(loaded, prompt, TreeParams(max_new_tokens=40, tree_nodes=9), drafter)
+    assert tokens == greedy_tokens(loaded, prompt, 40)
+    rounds = [e for e in events if isinstance(e, TreeRound)]
+    assert rounds and sum(r.emitted for r in rounds) + 1 == len(tokens)
+    assert summarize(events).mean_accepted_length == pytest.approx(
+        sum(r.emitted for r in rounds) / len(rounds), abs=1e-4
+    )
+
+
+class OracleDrafter:
+    """Drafts the true greedy continuation as the rank-0 chain (always right) or tokens that never match."""
+
+    method = "oracle"
+
+    def __init__(self, reference: list[int], prompt_len: int, right: bool, vocab: int) -> None:
+        self.reference, self.right, self.vocab = reference, right, vocab
+        self.position = 0
+
+    def draft(self, hidden, root, root_logits, max_depth, mode, generator):
+        from lab.heads.medusa import DraftTree
+
+        start = self.position  # index of the root in the reference (every round accepts all or nothing)
+        assert self.reference[start] == root
+        chain = self.reference[start + 1 : start + 1 + min(3, max_depth)]
+        self.position += len(chain) + 1 if self.right else 1
+        if not self.right:
+            chain = [(t + 1) % self.vocab for t in chain]
+        n = len(chain)
+        return DraftTree(chain, list(range(-1, n - 1)), list(range(n)), list(range(n)), [0] * n, [1.0] * n), []
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_tree_loop_with_always_right_and_always_wrong_drafts(right: bool) -> None:
+    loaded = tiny_loaded_model(3)
+    prompt = list(b"abc")
+    reference = greedy_tokens(loaded, prompt, 30)
+    drafter = OracleDrafter(reference, len(prompt), right, loaded.vocab_size)
+    tokens, events = tree_tokens(loaded, prompt, TreeParams(max_new_tokens=30), drafter)
+    assert tokens == reference
+    stats = summarize(events)
+    if right:
+        assert stats.acceptance_rate == 1.0 and stats.mean_accepted_length > 3.5
+    else:
+        assert stats.acceptance_rate == 0.0 and stats.mean_accepted_length == 1.0
+
+
+def test_sampling_mode_matches_the_target_distribution() -> None:
+    """Lossless sample mode: the first two emitted tokens are distributed as p (chi-square, tiny vocabulary)."""
+    loaded = tiny_loaded_model(4, vocab=8)
+    prompt = [1, 2, 3]
+    drafter = MedusaDrafter(random_heads(loaded, scale=0.5, seed=4), 9, ())
+    params = TreeParams(max_new_tokens=3, mode="sample", temperature=1.0, tree_nodes=9)
+    draws = 1500
+    counts = Counter()
+    for seed in range(draws):
+        tokens, _ = tree_tokens(loaded, prompt, params, drafter, seed)
+        counts[tuple(tokens[:2])] += 1
+    with torch.no_grad():
+        first = loaded.model(input_ids=torch.tensor([prompt])).logits[0, -1].float().softmax(-1)
+        second = torch.stack(
+            [loaded.model(input_ids=torch.tensor([prompt + [a]])).logits[0, -1].float().softmax(-1) for a in range(8)]
+        )
+    # token 0 is EOS: a run that starts with it stops there, so (0,) is one bin
+    expected = torch.cat([first[:1], (first[1:, None] * second[1:]).flatten()]) * draws  # [1 + 56]
+    cells = [(0,)] + [(a, b) for a in range(1, 8) for b in range(8)]
+    observed = torch.tensor([counts[c] for c in cells], dtype=torch.float32)
+    assert sum(counts.values()) == observed.sum()
+    keep = expected >= 5
+    chi2 = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    dof = int(keep.sum()) - 1
+    assert observed[~keep].sum() <= expected[~keep].sum() * 3 + 15
+    assert chi2 < dof + 4 * (2 * dof) ** 0.5  # about the 99.99th percentile
+
+
+def test_train_medusa_on_tiny_distill_data(tmp_path: Path) -> None:
+    from lab.distill.dataset import load_distill
+    from lab.distill.generate import DistillSettings, run_distill
+    from lab.heads.cli import TrainOptions
+    from lab.heads.common import load_heads, model_shape, save_heads
+    from lab.heads.medusa_train import train
+
+    loaded = tiny_loaded_model(0)
+    run_distill(
+        loaded, DistillSettings("tiny", max_new_tokens=24, batch_size=4, limit=8), tmp_path / "d", lambda *a: None
+    )
+    data = load_distill(tmp_path / "d")
+    log: list[str] = []
+    options = TrainOptions(epochs=20, batch_size=16, draft_vocab=64, heads=3, lr=3e-3)
+    tensors, config = train(loaded, data, options, log.append)
+    assert tensors["blocks.weight"].shape == (3, 64, 64) and tensors["vocab"].numel() >= 64
+    assert any("head 3: loss" in line for line in log)
+    first = float(log[next(i for i, line in enumerate(log) if "held out @" in line)].split("loss ")[1].split()[0])
+    last = float([line for line in log if "held out @" in line][-1].split("loss ")[1].split()[0])
+    assert last < first  # training lowers the held-out loss of head 1
+    assert config["choices"] and all(len(p) <= 3 for p in config["choices"])
+    save_heads(tmp_path / "h" / "medusa", tensors, {**config, "kind": "medusa", "model_shape": model_shape(loaded)})
+    loaded_tensors, loaded_config = load_heads("medusa", loaded, str(tmp_path / "h" / "medusa"))
+    heads = MedusaHeads.from_tensors(loaded.lm_head.weight, loaded_tensors, loaded_config)
+    assert heads.probs(torch.randn(64)).shape == (3, loaded_tensors["vocab"].numel())
