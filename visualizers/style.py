@@ -55,9 +55,11 @@ def token_background(status: str) -> str:
 
 def display_token(text: str, escape: bool = True) -> str:
     """Render a token for display: whitespace made visible ('␣', '⏎', '⇥'), empty text as '∅', and the result
-    HTML-escaped (plotly labels and HTML views both interpret markup) unless `escape` is False."""
+    HTML-escaped (plotly labels and HTML views both interpret markup) unless `escape` is False. Quotes are left
+    as they are: plotly decodes &lt; &gt; &amp; but prints &quot; literally, and text nodes need no quoting
+    (HTML attributes are escaped with quote=True where they are built)."""
     shown = "".join(VISIBLE_WHITESPACE.get(ch, ch) for ch in text) if text else EMPTY_TOKEN
-    return html.escape(shown, quote=True) if escape else shown
+    return html.escape(shown, quote=False) if escape else shown
 
 
 def distinct_labels(labels: list[str]) -> list[str]:

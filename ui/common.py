@@ -1,0 +1,263 @@
+"""Shared pieces of the app's tabs: model work (ZeroGPU-aware), throttled streaming, the views of one run, the
+step inspector and its token-click wiring. Gradio UI code only; the logic lives in gradio-free `lab` modules.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import gradio as gr
+
+from lab.models import EMBEDDED_MODEL, ModelLoadError
+from lab.params import DecodeParams, InputError
+from lab.runner import new_trace, prepare, stream_run
+from lab.trace import Trace, TraceError, from_json, summarize, to_json
+from lab.validation import RunRequest, validate_request
+from lab.zerogpu import gpu_function
+from strategies import REGISTRY, by_family
+from visualizers import (
+    alternatives_table,
+    empty_figure,
+    inspect_step,
+    strategy_figures,
+    strategy_token_view,
+    strategy_view,
+)
+
+RENDER_INTERVAL_S = 0.2
+MAX_RUN_SECONDS = 300
+MEASURE_TIME_LIMIT = 1200
+QUEUE_MAX_SIZE = 16
+STATE_TTL_S = 3600
+MAX_PARAMS_JSON_CHARS = 10_000
+MAX_UPLOAD = "10mb"
+REPLAY_TICK_S = 0.4
+MODEL_CHOICES = [
+    EMBEDDED_MODEL,
+    "HuggingFaceTB/SmolLM2-360M-Instruct",
+    "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+    "Qwen/Qwen2.5-0.5B-Instruct",
+    "Qwen/Qwen2.5-1.5B-Instruct",
+]
+TRACE_DIR = Path(tempfile.gettempdir()) / "decoding-lab-traces"
+MAX_TRACE_FILES = 200
+COMMON_DEFAULTS = DecodeParams()
+MAX_FIGURES = 6  # plot slots: a strategy's main view first, then its detail views
+MODEL_QUEUE = {"concurrency_id": "model", "concurrency_limit": 1, "time_limit": MAX_RUN_SECONDS + 120}
+LIGHT = {"concurrency_id": "light", "concurrency_limit": 4, "api_visibility": "private"}
+LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "$", "right": "$", "display": False}]
+ALTERNATIVE_HEADERS = ["rank", "token", "p"]
+# A click on a token span (data-step) of a token view sends {step} with the HTML component's click event.
+TOKEN_CLICK_JS = """
+element.addEventListener('click', (event) => {
+  const span = event.target.closest('[data-step]');
+  if (span && element.contains(span)) trigger('click', {step: Number(span.dataset.step)});
+});
+"""
+CSS = ".dl-token:hover { filter: brightness(0.92); }"
+
+
+# --- model work (inside spaces.GPU on ZeroGPU: plain events out, no figures) ---------------------------------
+
+
+def model_events(request: RunRequest) -> Iterator:
+    """Load the model, encode the prompt and stream the strategy's events; errors surface while iterating."""
+    loaded, prompt_ids = prepare(request)
+    events = stream_run(request, loaded, prompt_ids)
+    try:
+        yield from events
+    finally:
+        events.close()  # frees the strategy's caches, also when the client cancels
+
+
+gpu_events = gpu_function(model_events, duration=MAX_RUN_SECONDS)
+
+
+def stream_trace(request: RunRequest, deadline: float) -> Iterator[tuple[Trace, bool, str]]:
+    """(trace, final, status) about every RENDER_INTERVAL_S while the run streams, then once final; bad input
+    or a model that cannot load becomes a gr.Error (the server keeps serving)."""
+    trace = new_trace(request)
+    events = gpu_events(request)
+    last_render, status = 0.0, ""
+    try:
+        for event in events:
+            trace.events.append(event)
+            now = time.monotonic()
+            if now > deadline:
+                status = f"stopped at the {MAX_RUN_SECONDS} s limit"
+                break
+            if now - last_render >= RENDER_INTERVAL_S:
+                last_render = now
+                yield trace, False, ""
+    except (InputError, ModelLoadError) as error:
+        raise gr.Error(str(error)) from None
+    finally:
+        events.close()
+    yield trace, True, status
+
+
+def checked_request(strategy: str, prompt: str, params: dict, **options) -> RunRequest:
+    try:
+        return validate_request(strategy, prompt, params, **options)
+    except InputError as error:
+        raise gr.Error(str(error)) from None
+
+
+# --- rendering (figures are built here, outside the model work) ------------------------------------------------
+
+
+def strategy_choices() -> list[tuple[str, str]]:
+    """Dropdown entries grouped by family: ("family › name", name)."""
+    return [(f"{family} › {s.name}", s.name) for family, items in by_family().items() for s in items]
+
+
+def strategy_info(name: str) -> str:
+    strategy = REGISTRY.get(name)
+    if strategy is None:
+        return ""
+    return f"**{strategy.name}** ({strategy.family}): {strategy.summary}  \n*Paper:* {strategy.paper}"
+
+
+def stats_markdown(trace: Trace, status: str = "") -> str:
+    stats = summarize(trace.events)
+    rows = [
+        ("tokens", stats.new_tokens),
+        ("tokens/s", stats.tokens_per_s),
+        ("target forwards", stats.target_forwards),
+        ("forwards/token", stats.forwards_per_token),
+    ]
+    if stats.acceptance_rate is not None:
+        rows += [("acceptance α", stats.acceptance_rate), ("τ (tokens/round)", stats.mean_accepted_length)]
+    rows.append(("stop", status or stats.stop_reason))
+    header = "| " + " | ".join(k for k, _ in rows) + " |\n|" + "---|" * len(rows)
+    return header + "\n| " + " | ".join(str(v) for _, v in rows) + " |"
+
+
+def write_trace_file(trace_json: str) -> str:
+    """Save a trace for download; the folder keeps at most MAX_TRACE_FILES files (oldest removed)."""
+    TRACE_DIR.mkdir(parents=True, exist_ok=True)
+    old = sorted(TRACE_DIR.glob("*.json"), key=lambda p: p.stat().st_mtime)
+    for path in old[: max(0, len(old) - MAX_TRACE_FILES + 1)]:
+        path.unlink(missing_ok=True)
+    path = TRACE_DIR / f"trace-{uuid.uuid4().hex[:12]}.json"
+    path.write_text(trace_json, encoding="utf-8")
+    return str(path)
+
+
+def view_updates(trace: Trace, status: str = "", selected: int | None = None) -> list:
+    """[token view, main figure, stats, text, detail figures...]: every view of a (partial) trace."""
+    figures = strategy_figures(trace.strategy, trace.events)[:MAX_FIGURES]
+    details = [gr.Plot(value=f, visible=True) for f in figures[1:]]
+    details += [gr.Plot(visible=False)] * (MAX_FIGURES - len(figures))
+    tokens = strategy_token_view(trace.strategy, trace.events, selected)
+    return [tokens, figures[0], stats_markdown(trace, status), trace.text, *details]
+
+
+def render(trace: Trace, final: bool, status: str = "") -> list:
+    """One update of the Run tab's outputs (the `/run` API order): token view, main figure, stats, text, trace
+    JSON, trace file, detail figures, then the session's run state. JSON, file and state only at the end."""
+    tokens, main, stats, text, *details = view_updates(trace, status)
+    if not final:
+        return [tokens, main, stats, text, gr.skip(), gr.skip(), *details, gr.skip()]
+    trace_json = to_json(trace)
+    path = write_trace_file(trace_json)
+    state = {"id": uuid.uuid4().hex, "trace": trace, "path": path, "status": status}
+    return [tokens, main, stats, text, trace_json, path, *details, state]
+
+
+def inspect_figure(trace: Trace | None, step: int, gamma: float) -> list:
+    """[step figure, gamma slider, alternatives rows] of one step, re-rendered from the trace (no model)."""
+    if trace is None:
+        return [empty_figure("Inspect a step", "Run a strategy first"), gr.skip(), []]
+    figure = inspect_step(trace.strategy, trace.events, int(step or 0), gamma=gamma)
+    knobs = strategy_view(trace.strategy).knobs
+    return [figure, gr.Slider(visible="gamma" in knobs), alternatives_table(trace.events, int(step or 0))]
+
+
+def inspect_trace(trace_json: str, step: float, gamma: float):
+    """Re-render one step of a trace given as JSON: (figure, gamma slider)."""
+    if not trace_json:
+        return empty_figure("Inspect a step", "Run a strategy first"), gr.skip()
+    try:
+        trace = from_json(trace_json)
+    except TraceError as error:
+        raise gr.Error(f"Cannot read the trace: {error}") from None
+    figure, gamma_slider, _rows = inspect_figure(trace, step, gamma)
+    return figure, gamma_slider
+
+
+def clicked_step(evt: gr.EventData) -> int | None:
+    """The step sent by a token view's click (None for a click outside a token or a malformed payload)."""
+    data = getattr(evt, "_data", None)
+    step = data.get("step") if isinstance(data, dict) else None
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+        return None
+    return int(step) if 0 <= step < 10_000_000 else None
+
+
+def build_views(prefix: str) -> dict:
+    """The views of one run: stats, clickable token view, main plot, detail plots, text."""
+    views = {"stats": gr.Markdown(elem_id=f"{prefix}stats")}
+    views["tokens"] = gr.HTML(label="Tokens", elem_id=f"{prefix}token-view", js_on_load=TOKEN_CLICK_JS)
+    views["main"] = gr.Plot(label="Internals", elem_id=f"{prefix}main-plot")
+    views["details"] = [
+        gr.Plot(visible=False, label="Details", elem_id=f"{prefix}detail-plot-{i}") for i in range(1, MAX_FIGURES)
+    ]
+    views["text"] = gr.Textbox(label="Text", lines=4, interactive=False, elem_id=f"{prefix}text")
+    return views
+
+
+def view_list(views: dict) -> list:
+    """Components in `view_updates` order."""
+    return [views["tokens"], views["main"], views["stats"], views["text"], *views["details"]]
+
+
+def build_inspector(prefix: str, open_: bool = False) -> dict:
+    """Step inspector: a step number, the strategy's knob (CFG's gamma), its figure and the top-k table."""
+    with gr.Accordion(
+        "Inspect a step (click a token; re-rendered from the trace, no model run)",
+        open=open_,
+        elem_id=f"{prefix}inspect-accordion",
+    ) as accordion:
+        with gr.Row():
+            step = gr.Number(value=0, precision=0, minimum=0, label="step", elem_id=f"{prefix}inspect-step")
+            gamma = gr.Slider(
+                0.0, 5.0, value=1.5, step=0.1, label="gamma", visible=False, elem_id=f"{prefix}inspect-gamma"
+            )
+        with gr.Row():
+            plot = gr.Plot(label="Step detail", elem_id=f"{prefix}inspect-plot")
+            table = gr.Dataframe(
+                headers=ALTERNATIVE_HEADERS, label="Top-k alternatives", elem_id=f"{prefix}alternatives"
+            )
+    return {"accordion": accordion, "step": step, "gamma": gamma, "plot": plot, "table": table}
+
+
+def wire_inspector(inspector: dict, state: gr.State, sources: list[tuple[gr.HTML, Callable]]) -> None:
+    """Clicking a token of any source's token view (or editing the step / gamma) re-renders that step from the
+    trace `get_trace(state value)` of the source clicked last. sources: (token view, get_trace) pairs."""
+    which = gr.State(0)
+    outputs = [inspector["plot"], inspector["gamma"], inspector["table"]]
+    for index, (tokens, get_trace) in enumerate(sources):
+
+        def on_click(value, gamma: float, evt: gr.EventData, _get=get_trace, _index=index):
+            trace = _get(value)
+            step = clicked_step(evt)
+            if trace is None or step is None:
+                return [gr.skip()] * 7
+            view = strategy_token_view(trace.strategy, trace.events, step)
+            return [gr.Accordion(open=True), step, view, *inspect_figure(trace, step, gamma), _index]
+
+        click_outputs = [inspector["accordion"], inspector["step"], tokens, *outputs, which]
+        tokens.click(on_click, [state, inspector["gamma"]], click_outputs, **LIGHT)
+
+    def on_change(value, index: int, step: float, gamma: float):
+        get_trace = sources[index][1] if 0 <= index < len(sources) else sources[0][1]
+        return inspect_figure(get_trace(value), step, gamma)
+
+    triggers = [inspector["step"].submit, inspector["gamma"].release]
+    gr.on(triggers, on_change, [state, which, inspector["step"], inspector["gamma"]], outputs, **LIGHT)

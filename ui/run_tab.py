@@ -1,0 +1,224 @@
+"""The Run tab: one strategy on one prompt, streamed live with all its views, the step inspector, presets and
+controls generated from the strategy's Params (those without effect under the current settings hidden), and
+the stable `/run` API endpoint for gradio_client.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import gradio as gr
+
+from lab.controls import dependencies, visibility
+from lab.models import EMBEDDED_MODEL
+from lab.params import param_specs
+from lab.presets import DEFAULTS, preset_values, presets_for
+from lab.prompts import BUILTIN_PROMPTS
+from lab.runner import new_trace
+from strategies import REGISTRY
+from ui.common import (
+    COMMON_DEFAULTS,
+    LIGHT,
+    MAX_FIGURES,
+    MAX_PARAMS_JSON_CHARS,
+    MAX_RUN_SECONDS,
+    MODEL_CHOICES,
+    MODEL_QUEUE,
+    STATE_TTL_S,
+    build_inspector,
+    build_views,
+    checked_request,
+    empty_figure,
+    render,
+    stats_markdown,
+    strategy_choices,
+    strategy_info,
+    stream_trace,
+    wire_inspector,
+)
+
+
+def stream_outputs(strategy: str, prompt: str, params: dict, chat: bool, seed, model: str, device: str, dtype: str):
+    """Validate, then stream throttled renders of the strategy's events until it ends, is stopped or times out."""
+    request = checked_request(strategy, prompt, params, chat=chat, seed=seed, model=model, device=device, dtype=dtype)
+    loading = stats_markdown(new_trace(request), f"loading {request.model} …")
+    yield [gr.skip(), empty_figure(), loading, "", gr.skip(), gr.skip()] + [gr.skip()] * MAX_FIGURES
+    for trace, final, status in stream_trace(request, time.monotonic() + MAX_RUN_SECONDS):
+        yield render(trace, final, status)
+
+
+def parse_params_json(params_json: str | None) -> dict:
+    if not params_json or not params_json.strip():
+        return {}
+    if len(params_json) > MAX_PARAMS_JSON_CHARS:
+        raise gr.Error(f"params_json is longer than {MAX_PARAMS_JSON_CHARS} characters.")
+    try:
+        params = json.loads(params_json)
+    except ValueError as error:
+        raise gr.Error(f"params_json is not valid JSON: {error}") from None
+    if not isinstance(params, dict):
+        raise gr.Error('params_json must be a JSON object such as {"temperature": 0.7}.')
+    return params
+
+
+def run_api(model: str, strategy: str, prompt: str, chat: bool, max_new_tokens: int, seed: int, params_json: str):
+    """Stable endpoint `/run` for gradio_client: strategy parameters as a JSON object."""
+    params = {**parse_params_json(params_json), "max_new_tokens": max_new_tokens}
+    yield from stream_outputs(strategy, prompt, params, chat, seed, model, "auto", "auto")
+
+
+def param_control(spec) -> gr.components.Component:
+    """A control for one ParamSpec: dropdown for choices, checkbox for bools, slider for bounded numbers."""
+    if spec.choices:
+        return gr.Dropdown(list(spec.choices), value=spec.default, label=spec.name, info=spec.help)
+    if spec.type == "bool":
+        return gr.Checkbox(value=spec.default, label=spec.name, info=spec.help)
+    if spec.type in ("int", "float") and spec.low is not None and spec.high is not None:
+        step = 1 if spec.type == "int" else 0.01
+        return gr.Slider(spec.low, spec.high, value=spec.default, step=step, label=spec.name, info=spec.help)
+    if spec.type in ("int", "float"):
+        return gr.Number(
+            value=spec.default, label=spec.name, info=spec.help, precision=0 if spec.type == "int" else None
+        )
+    return gr.Textbox(value=spec.default, label=spec.name, info=spec.help)
+
+
+def build_controls() -> tuple[dict[str, gr.Group], list[tuple[str, str, gr.components.Component]]]:
+    """One (hidden unless selected) group of parameter controls per strategy; controls that have no effect
+    under the defaults (lab.controls) start hidden."""
+    groups, controls = {}, []
+    for name, strategy in REGISTRY.items():
+        shown = visibility(strategy.Params, {})
+        with gr.Group(visible=name == "greedy") as group:
+            for spec in param_specs(strategy.Params):
+                if not spec.common:
+                    control = param_control(spec)
+                    control.visible = shown[spec.name]
+                    controls.append((name, spec.name, control))
+        groups[name] = group
+    return groups, controls
+
+
+def wire_control_visibility(controls: list[tuple[str, str, gr.components.Component]]) -> None:
+    """When a controlling parameter changes, show only its strategy's parameters that have an effect."""
+    for name, strategy in REGISTRY.items():
+        rules = dependencies(strategy.Params)
+        own = [(p, c) for s, p, c in controls if s == name]
+        controllers = {rule.controller for rule in rules.values()}
+        if not controllers:
+            continue
+
+        def update(*values, _cls=strategy.Params, _own=own):
+            shown = visibility(_cls, {p: v for (p, _), v in zip(_own, values, strict=True)})
+            return [gr.update(visible=shown[p]) for p, _ in _own]
+
+        triggers = [c.change for p, c in own if p in controllers]
+        gr.on(triggers, update, [c for _, c in own], [c for _, c in own], **LIGHT)
+
+
+def build_api_inputs() -> tuple[list[gr.components.Component], gr.Button]:
+    """Hidden, unconstrained inputs of the `/run` endpoint, so every value reaches `lab.validation`."""
+    inputs = [
+        gr.Textbox(visible=False, label="model"),
+        gr.Textbox(visible=False, label="strategy"),
+        gr.Textbox(visible=False, label="prompt"),
+        gr.Checkbox(visible=False, label="chat"),
+        gr.Number(visible=False, label="max_new_tokens"),
+        gr.Number(visible=False, label="seed"),
+        gr.Textbox(visible=False, label="params_json"),
+    ]
+    return inputs, gr.Button(visible=False)
+
+
+def preset_updates(strategy: str, preset: str, controls: list) -> list:
+    """Fill the strategy's controls from a preset; other strategies' controls are left alone."""
+    found = REGISTRY.get(strategy)
+    if found is None:
+        return [gr.skip()] * len(controls)
+    values = preset_values(strategy, found.Params, preset or DEFAULTS)
+    return [gr.update(value=values[p]) if s == strategy else gr.skip() for s, p, _ in controls]
+
+
+def build_settings() -> dict:
+    """The left column: model, device, dtype, strategy (+ info, preset, its controls), budget and seed."""
+    ui = {
+        "model": gr.Dropdown(
+            MODEL_CHOICES, value=EMBEDDED_MODEL, allow_custom_value=True, label="Model", elem_id="model"
+        )
+    }
+    with gr.Row():
+        ui["device"] = gr.Dropdown(["auto", "cpu", "cuda", "mps"], value="auto", label="Device", elem_id="device")
+        ui["dtype"] = gr.Dropdown(
+            ["auto", "float32", "bfloat16", "float16"], value="auto", label="dtype", elem_id="dtype"
+        )
+    ui["strategy"] = gr.Dropdown(strategy_choices(), value="greedy", label="Strategy", elem_id="strategy")
+    ui["info"] = gr.Markdown(strategy_info("greedy"))
+    ui["preset"] = gr.Dropdown(
+        presets_for("greedy", REGISTRY["greedy"].Params), value=DEFAULTS, label="Preset", elem_id="preset"
+    )
+    ui["groups"], ui["controls"] = build_controls()
+    ui["max_new_tokens"] = gr.Slider(
+        1, 1024, value=COMMON_DEFAULTS.max_new_tokens, step=1, label="max_new_tokens", elem_id="max-new-tokens"
+    )
+    ui["seed"] = gr.Number(value=0, precision=0, minimum=0, label="seed", elem_id="seed")
+    return ui
+
+
+def wire_settings(ui: dict) -> None:
+    groups, controls = ui["groups"], ui["controls"]
+
+    def on_strategy(name: str) -> list:
+        found = REGISTRY.get(name)
+        choices = presets_for(name, found.Params) if found else [DEFAULTS]
+        preset = gr.Dropdown(choices=choices, value=DEFAULTS)
+        return [strategy_info(name), preset] + [gr.Group(visible=key == name) for key in groups]
+
+    ui["strategy"].change(on_strategy, [ui["strategy"]], [ui["info"], ui["preset"], *groups.values()], **LIGHT)
+    ui["preset"].input(
+        lambda strategy, preset: preset_updates(strategy, preset, controls),
+        [ui["strategy"], ui["preset"]],
+        [c for _, _, c in controls],
+        **LIGHT,
+    )
+    wire_control_visibility(controls)
+
+
+def build_run_tab() -> dict:
+    """The Run tab's components and its model events (the app chains the history onto them)."""
+    with gr.Row():
+        with gr.Column(scale=2, min_width=320):
+            ui = build_settings()
+        with gr.Column(scale=3):
+            ui["prompt"] = gr.Textbox(label="Prompt", lines=4, placeholder="Ask the model something…", elem_id="prompt")
+            ui["chat"] = gr.Checkbox(value=True, label="Wrap in the model's chat template", elem_id="chat")
+            with gr.Row():
+                run = gr.Button("Run", variant="primary", elem_id="run-button")
+                stop = gr.Button("Stop", variant="stop", elem_id="stop-button")
+            views = build_views("")
+            inspector = build_inspector("")
+            trace_file = gr.File(label="Trace (JSON)", interactive=False, elem_id="trace-file")
+            trace_json = gr.Textbox(visible=False)
+            gr.Examples([[p.text] for p in BUILTIN_PROMPTS], inputs=[ui["prompt"]], label="Example prompts")
+            api_inputs, api_trigger = build_api_inputs()
+    ui["state"] = gr.State(None, time_to_live=STATE_TTL_S)
+    wire_settings(ui)
+    controls = ui["controls"]
+
+    def run_ui(model_, device_, dtype_, strategy_, prompt_, chat_, max_new_, seed_, *values):
+        params = {p: v for (s, p, _), v in zip(controls, values, strict=True) if s == strategy_}
+        params["max_new_tokens"] = max_new_
+        yield from stream_outputs(strategy_, prompt_, params, chat_, seed_, model_, device_, dtype_)
+
+    outputs = [views["tokens"], views["main"], views["stats"], views["text"], trace_json, trace_file]
+    outputs += [*views["details"], ui["state"]]
+    keys = ("model", "device", "dtype", "strategy", "prompt", "chat", "max_new_tokens", "seed")
+    ui_inputs = [ui[k] for k in keys] + [c for _, _, c in controls]
+    ui["events"] = [
+        run.click(run_ui, ui_inputs, outputs, api_visibility="private", **MODEL_QUEUE),
+        ui["prompt"].submit(run_ui, ui_inputs, outputs, api_visibility="private", **MODEL_QUEUE),
+        api_trigger.click(run_api, api_inputs, outputs, api_name="run", **MODEL_QUEUE),
+    ]
+    stop.click(None, None, None, cancels=ui["events"])
+    wire_inspector(inspector, ui["state"], [(views["tokens"], lambda state: state["trace"] if state else None)])
+    return ui
