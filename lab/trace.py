@@ -225,6 +225,24 @@ class TreeRound:
     verify_s: float = 0.0
 
 
+@event_kind
+@dataclass(frozen=True)
+class MixtureRound:
+    """One MTPC round (Grivas et al. 2025): the mixture weights P(z | h) of the r components, the posterior
+    P(z | h, x_{t+1}) after the root token (the target's own next token), and for the first two draft positions
+    the candidate pairs (a, b) with their probability under the joint, sum_z w_z p_1z(a) p_2z(b), next to the
+    product of the marginals q_1(a) q_2(b) (what independent heads would assume). A pair with joint well below
+    the product is one the circuit suppresses."""
+
+    step: int
+    prior: list[float]
+    posterior: list[float]
+    pair_ids: list[list[int]]
+    pair_texts: list[list[str]]
+    joint: list[float]
+    product: list[float]
+
+
 def _tree_stats(events: list[Event]) -> tuple[float | None, float | None]:
     """(acceptance rate, mean accepted length) folded from TreeRound events, like `_draft_stats`: accepted nodes
     over accepted + rounds that stopped before a leaf; tau = mean tokens emitted per round (bonus included)."""

@@ -8,7 +8,8 @@ the draft vocabulary V_d and renormalised; rows with no mass in V_d are skipped)
 out: the log reports per-head loss and top-1 accuracy (head argmax == the teacher's argmax token) on them, and
 the held-out rank accuracies give the candidate tree (`lab.heads.medusa.tune_choices`), stored in the config.
 The helpers here (targets, batches, schedule, evaluation) are shared with `lab.heads.mtpc_train`.
-Not covered: multi-epoch early stopping, data larger than memory, GPU mixed precision (fp32 everywhere).
+On CPU the head and LM-head products run under bf16 autocast (about 1.3x faster here; losses and updates in fp32).
+Not covered: early stopping, data larger than memory, GPU mixed precision.
 """
 
 from __future__ import annotations
@@ -162,11 +163,13 @@ def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[di
     bias = torch.zeros(heads, hidden, requires_grad=True)
     valid = targets.soft_probs[:, 1:].sum(-1) > 0  # [N, K]
     train_rows = subsample(targets.rows[~targets.held_out & valid[:, 0]], options.tokens, options.seed)
-    held = targets.rows[targets.held_out][:4096]
+    held = targets.rows[targets.held_out][:2048]
     log(f"draft vocabulary {vocab.numel()} ids; {train_rows.numel()} training rows, {held.numel()} held out")
 
     def logits_of(rows: torch.Tensor) -> torch.Tensor:
-        return residual_blocks(data.hidden[rows].float(), weight, bias) @ lm.T  # [B, K, V_d]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=loaded.device.type == "cpu"):
+            logits = residual_blocks(data.hidden[rows].float(), weight, bias) @ lm.T  # [B, K, V_d]
+        return logits.float()
 
     def loss_fn(rows: torch.Tensor) -> torch.Tensor:
         ce = soft_cross_entropy(
@@ -180,12 +183,14 @@ def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[di
 
     def report(step: int) -> None:
         nonlocal accuracy
+        ces, ranks = [], []
         with torch.no_grad():
-            logits = logits_of(held)
-            ce = soft_cross_entropy(logits.log_softmax(-1), targets.soft_ids[held, 1:], targets.soft_probs[held, 1:])
-            greedy = targets.soft_ids[held, 1:, 0].long()  # the teacher's argmax in V_d (-1 outside)
-            ranks = ranks_of(logits, greedy)
-        accuracy = head_metrics(ranks, ce, valid[held], log, f"held out @ step {step}")
+            for chunk in held.split(256):
+                logits = logits_of(chunk)
+                soft = targets.soft_ids[chunk, 1:], targets.soft_probs[chunk, 1:]
+                ces.append(soft_cross_entropy(logits.log_softmax(-1), *soft))
+                ranks.append(ranks_of(logits, soft[0][..., 0].long()))  # the teacher's argmax in V_d (-1 outside)
+        accuracy = head_metrics(torch.cat(ranks), torch.cat(ces), valid[held], log, f"held out @ step {step}")
 
     fit([weight, bias], loss_fn, train_rows, options, log, report)
     choices = tune_choices(accuracy, TREE_PATHS)

@@ -1,0 +1,143 @@
+"""MTPC: the circuit's conditionals, exact greedy tree decoding and lossless sampling on tiny random Llamas,
+training plumbing, and greedy equality on the embedded model for Medusa and MTPC with the shipped heads."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from lab.heads.mtpc import Circuit, MTPCHeads, init_tensors
+from lab.trace import MixtureRound, TokenEmitted, TreeRound, summarize
+from strategies.base import collect
+from strategies.medusa import TreeParams, tree_decode_loop
+from strategies.mtpc import MTPCDrafter
+from tests.test_medusa import CHOICES, greedy_tokens
+from tests.tiny import tiny_loaded_model
+
+
+def random_circuit(loaded, heads: int = 3, components: int = 3, scale: float = 0.3, seed: int = 0) -> MTPCHeads:
+    hidden, vocab = int(loaded.config.hidden_size), loaded.vocab_size
+    tensors = init_tensors(heads, components, 4, hidden, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name in ("blocks.weight", "adapters.up", "mix.weight"):
+        tensors[name] = scale * torch.randn(tensors[name].shape, generator=generator)
+    tensors["vocab"] = torch.arange(vocab)
+    return MTPCHeads.from_tensors(loaded.lm_head.weight, tensors, {"choices": [list(c) for c in CHOICES]})
+
+
+def test_circuit_conditionals_match_the_brute_force_joint() -> None:
+    torch.manual_seed(0)
+    r, k, v = 3, 3, 4  # positions 0..2 (0 = root)
+    log_pi = torch.log_softmax(torch.randn(r), 0)
+    logp = torch.log_softmax(torch.randn(k, r, v), -1)
+    heads = type("H", (), {"remap": {i: i for i in range(v)}})()
+    circuit = Circuit(heads, log_pi, logp, root=2)
+    joint = torch.zeros(v, v, v)
+    for x0, x1, x2 in itertools.product(range(v), repeat=3):
+        joint[x0, x1, x2] = sum(
+            log_pi[z].exp() * logp[0, z, x0].exp() * logp[1, z, x1].exp() * logp[2, z, x2].exp() for z in range(r)
+        )
+    given_root = joint[2] / joint[2].sum()  # [x1, x2]
+    assert torch.allclose(circuit.conditional(()), given_root.sum(1), atol=1e-6)
+    assert torch.allclose(circuit.conditional((1,)), given_root[1] / given_root[1].sum(), atol=1e-6)
+    pairs, joint_probs, product = circuit.pairs(top=2)
+    for (a, b), j, p in zip(pairs, joint_probs, product, strict=True):
+        assert j == pytest.approx(float(given_root[a, b]), abs=1e-6)
+        assert p == pytest.approx(float(given_root.sum(1)[a] * given_root.sum(0)[b]), abs=1e-6)
+
+
+def test_one_component_is_independent() -> None:
+    torch.manual_seed(1)
+    logp = torch.log_softmax(torch.randn(3, 1, 5), -1)
+    heads = type("H", (), {"remap": {i: i for i in range(5)}})()
+    circuit = Circuit(heads, torch.zeros(1), logp, root=0)
+    assert torch.allclose(circuit.conditional((0,)), circuit.conditional((4,)))
+    assert torch.allclose(circuit.conditional((0,)), logp[2, 0].exp())
+
+
+def _run(loaded, prompt, params, drafter, seed=0):
+    events = collect(tree_decode_loop(loaded, prompt, params, drafter, torch.Generator().manual_seed(seed)))
+    return [e.token_id for e in events if isinstance(e, TokenEmitted)], events
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_mtpc_equals_greedy_with_a_random_circuit(seed: int) -> None:
+    loaded = tiny_loaded_model(seed)
+    prompt = list(b"joint drafts")
+    params = TreeParams(max_new_tokens=40, tree_nodes=9)
+    tokens, events = _run(loaded, prompt, params, MTPCDrafter(random_circuit(loaded, seed=seed), params, loaded))
+    assert tokens == greedy_tokens(loaded, prompt, 40)
+    rounds = [e for e in events if isinstance(e, TreeRound)]
+    mixtures = [e for e in events if isinstance(e, MixtureRound)]
+    assert len(mixtures) == len(rounds) and [m.step for m in mixtures] == [r.step for r in rounds]
+    assert sum(mixtures[0].posterior) == pytest.approx(1.0, abs=1e-4) and len(mixtures[0].prior) == 3
+    assert summarize(events).mean_accepted_length >= 1.0
+
+
+def test_sampling_mode_is_lossless() -> None:
+    """A chain drawn from the circuit, accepted with q = its conditionals: tokens 1-2 are distributed as p."""
+    loaded = tiny_loaded_model(5, vocab=8)
+    prompt = [3, 1, 4]
+    params = TreeParams(max_new_tokens=3, mode="sample", temperature=1.0)
+    drafter = MTPCDrafter(random_circuit(loaded, scale=0.6, seed=5), params, loaded)
+    draws, counts, accepted = 1500, Counter(), 0
+    for seed in range(draws):
+        tokens, events = _run(loaded, prompt, params, drafter, seed)
+        counts[tuple(tokens[:2])] += 1
+        accepted += sum(len(r.accepted) for r in events if isinstance(r, TreeRound))
+    assert accepted > 100  # the rule was exercised on accepted draft tokens, not only on recoveries
+    with torch.no_grad():
+        first = loaded.model(input_ids=torch.tensor([prompt])).logits[0, -1].float().softmax(-1)
+        second = torch.stack(
+            [loaded.model(input_ids=torch.tensor([prompt + [a]])).logits[0, -1].float().softmax(-1) for a in range(8)]
+        )
+    expected = torch.cat([first[:1], (first[1:, None] * second[1:]).flatten()]) * draws  # token 0 is EOS
+    cells = [(0,)] + [(a, b) for a in range(1, 8) for b in range(8)]
+    observed = torch.tensor([counts[c] for c in cells], dtype=torch.float32)
+    assert observed.sum() == draws
+    keep = expected >= 5
+    chi2 = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    dof = int(keep.sum()) - 1
+    assert observed[~keep].sum() <= expected[~keep].sum() * 3 + 15
+    assert chi2 < dof + 4 * (2 * dof) ** 0.5
+
+
+def test_train_mtpc_on_tiny_distill_data(tmp_path: Path) -> None:
+    from lab.distill.dataset import load_distill
+    from lab.distill.generate import DistillSettings, run_distill
+    from lab.heads.cli import TrainOptions
+    from lab.heads.mtpc_train import train
+
+    loaded = tiny_loaded_model(0)
+    settings = DistillSettings("tiny", max_new_tokens=24, batch_size=4, limit=8)
+    run_distill(loaded, settings, tmp_path, lambda *a: None)
+    log: list[str] = []
+    options = TrainOptions(epochs=20, batch_size=16, draft_vocab=64, heads=3, components=2, lr=3e-3)
+    tensors, config = train(loaded, load_distill(tmp_path), options, log.append)
+    assert tensors["adapters.up"].shape == (4, 2, 64, 32) and tensors["mix.weight"].shape == (2, 64)
+    held = [line for line in log if "conditional" in line]
+    assert held and "head 3: loss" in held[-1]
+    losses = [float(line.split("train loss ")[1].split()[0]) for line in log if "train loss" in line]
+    assert losses[-1] < losses[0]
+    heads = MTPCHeads.from_tensors(loaded.lm_head.weight, tensors, config)
+    log_pi, logp = heads.leaves(torch.randn(64))
+    assert logp.shape == (4, 2, tensors["vocab"].numel()) and float(log_pi.exp().sum()) == pytest.approx(1.0)
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("name", ["medusa", "mtpc"])
+def test_greedy_heads_equal_greedy_on_the_embedded_model(embedded, name: str) -> None:
+    from lab.prompts import BUILTIN_PROMPTS
+    from strategies import medusa, mtpc
+
+    module = {"medusa": medusa, "mtpc": mtpc}[name]
+    for prompt in (BUILTIN_PROMPTS[0], BUILTIN_PROMPTS[12]):
+        ids = embedded.encode(prompt.text)
+        events = collect(module.run(embedded, ids, TreeParams(max_new_tokens=48), torch.Generator()))
+        tokens = [e.token_id for e in events if isinstance(e, TokenEmitted)]
+        assert tokens == greedy_tokens(embedded, ids, 48)
+        assert summarize(events).mean_accepted_length > 1.2  # the trained heads do get tokens accepted
