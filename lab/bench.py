@@ -5,14 +5,16 @@ the given `max_new_tokens`; optionally `model.generate(do_sample=False)` runs th
 model, device and dtype as the reference row "hf-generate". Runs are interleaved round-robin (for each prompt
 and repeat: every strategy, then hf-generate) so machine noise hits every row alike, after one untimed warm-up
 run of each row. Per-strategy parameters override the defaults (`--params NAME.key=value`,
-`parse_param_overrides`). `--hf-assist prompt-lookup|MODEL` adds the row "hf-assist": transformers' assisted
-generation (greedy) with prompt lookup (`prompt_lookup_num_tokens`) or an assistant model (`assistant_model=`,
-loaded like the target, constant `num_assistant_tokens`), using the speculative row's gamma and max_ngram when
+`parse_param_overrides`). `--hf-assist prompt-lookup|self-draft[:L]|MODEL` adds the row "hf-assist":
+transformers' assisted generation (greedy) with prompt lookup (`prompt_lookup_num_tokens`) or an assistant model
+(`assistant_model=`: the lab's self-drafter, the target's first L layers, or a model loaded like the target;
+constant `num_assistant_tokens`), using the speculative (else ssd) row's gamma, max_ngram and draft_layers when
 one is benched (else transformers' defaults: 10 tokens and n-gram 2, or 20 assistant tokens). The HF rows'
 forwards/token count every call of the target module (draft calls too when the assistant is the target).
 Per row: median tokens/s (new tokens / wall time of one run, prefill included), speedup against the first
 strategy's median, mean new tokens, forwards per token and the mean of every other numeric
-field of `lab.trace.Stats`. Both paths stop at the same EOS ids, and a strategy's stop reasons are noted.
+field of `lab.trace.Stats` (plus SSD's `lab.trace.speculation_stats`: cache hit rate, branches per round).
+Both paths stop at the same EOS ids, and a strategy's stop reasons are noted.
 Not covered: asserting speeds (tests never do), batching, memory use, sampling in the HF reference row.
 """
 
@@ -34,12 +36,13 @@ from lab.models import EMBEDDED_MODEL, LoadedModel
 from lab.params import InputError
 from lab.prompts import load_prompts
 from lab.runner import prepare, stream_run
-from lab.trace import Stats, summarize
+from lab.trace import Stats, speculation_stats, summarize
 from lab.validation import RunRequest, validate_request
 
 HF_ROW = "hf-generate"
 HF_ASSIST_ROW = "hf-assist"
 HF_PROMPT_LOOKUP = "prompt-lookup"
+HF_SELF_DRAFT = "self-draft"
 MAX_REPEAT = 100
 WARMUP_TOKENS = 16
 COLUMNS = ("strategy", "median tok/s", "speedup vs first", "tokens", "forwards/token", "notes")
@@ -96,7 +99,8 @@ def time_strategy(request: RunRequest, loaded: LoadedModel, prompt_ids: list[int
     events = list(stream_run(request, loaded, prompt_ids))
     stats = summarize(events)
     rate = stats.new_tokens / stats.wall_s if stats.wall_s > 0 else 0.0
-    return RunSample(rate, stats.new_tokens, _numeric_stats(stats), stats.stop_reason)
+    metrics = {**_numeric_stats(stats), **speculation_stats(events)}  # SSD: cache hit rate, branches per round
+    return RunSample(rate, stats.new_tokens, metrics, stats.stop_reason)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -156,9 +160,15 @@ def hf_assist_kwargs(loaded: LoadedModel, hf_assist: str, settings: dict[str, in
         tokens, ngram = settings.get("gamma", 10), settings.get("max_ngram", 2)
         kwargs = {"prompt_lookup_num_tokens": tokens, "max_matching_ngram_size": ngram}
         return kwargs, f"transformers assisted generation, prompt lookup ({tokens} tokens, n-gram {ngram})"
-    from lab.proposers import load_draft_model
+    from lab.proposers import load_draft_model, self_draft_view
 
-    draft = loaded if hf_assist == loaded.spec else load_draft_model(loaded, hf_assist)
+    if hf_assist.startswith(HF_SELF_DRAFT):  # self-draft or self-draft:L, the lab's self-drafter as the assistant
+        layers = hf_assist.removeprefix(HF_SELF_DRAFT).lstrip(":") or str(settings.get("draft_layers", 8))
+        if not layers.isdigit():
+            raise InputError(f"--hf-assist self-draft:L needs an integer L, got {hf_assist!r}.")
+        draft = self_draft_view(loaded, int(layers))
+    else:
+        draft = loaded if hf_assist == loaded.spec else load_draft_model(loaded, hf_assist)
     config = copy.deepcopy(draft.model.generation_config)
     config.num_assistant_tokens = settings.get("gamma", 20)
     config.num_assistant_tokens_schedule = "constant"
@@ -311,8 +321,10 @@ def run_bench(
     prompt_ids = [prepare(request)[1] for request in first]  # same ids for every row
     hf_rows, notes = ({HF_ROW: {}} if hf else {}), {HF_ROW: "transformers generate, greedy (reference)"}
     if hf_assist:
-        speculative = requests["speculative"][0].params if "speculative" in requests else None
-        settings = {k: getattr(speculative, k) for k in ("gamma", "max_ngram") if hasattr(speculative, k)}
+        name = next((n for n in ("speculative", "ssd") if n in requests), None)
+        speculative = requests[name][0].params if name else None
+        keys = ("gamma", "max_ngram", "draft_layers")
+        settings = {k: getattr(speculative, k) for k in keys if hasattr(speculative, k)}
         hf_rows[HF_ASSIST_ROW], notes[HF_ASSIST_ROW] = hf_assist_kwargs(loaded, hf_assist.strip(), settings)
     if progress:
         progress(0, len(texts) * repeat * (len(requests) + len(hf_rows)), "warm-up")

@@ -6,7 +6,8 @@ any causal LM with the target's tokenizer), 2. the target scores [x_0, x_1..x_ga
 (`lab.proposers.verify_draft`), 3. `lab.sampling.accept_draft` keeps x_i with probability min(1, p_i(x_i) /
 q_i(x_i)), resamples the first rejected position from norm(max(0, p_i - q_i)), or draws a bonus token from
 p_gamma when all are kept, 4. both KV caches roll back to the kept prefix (`lab.runtime.crop`), 5. the round's
-`DraftRound` and one `TokenEmitted` per token (source accepted / recovered / bonus) stream out, 6. gamma adapts.
+`DraftRound`, its two `PipelineSpan`s (draft then verify, serial: the timeline SSD's is compared with) and one
+`TokenEmitted` per token (source accepted / recovered / bonus) stream out, 6. gamma adapts.
 
 Losslessness with processors: p_i = softmax(process(z_target)), the exact distribution `strategies.sample`
 draws from at that position (repetition penalty over the history plus x_1..x_i), and q_i is the distribution

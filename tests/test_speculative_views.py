@@ -27,6 +27,7 @@ from visualizers.speculative import (
     speedup_figure,
     theoretical_speedup,
 )
+from visualizers.ssd import timeline_figure
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,8 @@ def test_views_draw_the_rounds(tiny, prompt_ids) -> None:
     assert alphas[-1] == pytest.approx(stats.acceptance_rate, abs=1e-4)
     assert lengths[-1] == pytest.approx(stats.mean_accepted_length, abs=1e-4)
     assert acceptance_figure(events).data and speedup_figure(events).data
-    assert VIEWS["speculative"].figures == (rounds_figure, round_detail_figure, acceptance_figure, speedup_figure)
+    expected = (rounds_figure, round_detail_figure, acceptance_figure, speedup_figure, timeline_figure)
+    assert VIEWS["speculative"].figures == expected
     for figure in (rounds_figure, round_detail_figure, acceptance_figure, speedup_figure):
         empty = figure([])
         assert not empty.data and empty.layout.annotations and empty.layout.uirevision

@@ -6,11 +6,15 @@ as the target) or None for a deterministic drafter (prompt lookup); `tree` stays
 Medusa and MTPC fill it). After verification the strategy calls `accept(n)` (the first n draft tokens were
 kept) so a proposer with a KV cache can roll back; proposers must stay correct without the hint, because
 `propose` may be called on any context (SSD speculates on several possible verification outcomes).
+For SSD (`lab.ssd`) a context may ask for `fanout` candidates per drafted position (the drafter's top tokens at
+the position each draft token was drawn at, `Draft.top_ids` / `top_probs`) and carry `should_stop`, polled
+between forwards so a speculation can be cut short (the draft is then shorter, still drawn from q).
 Not covered: batched proposals, proposers that run on another device or process.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -30,6 +34,8 @@ class DraftContext:
     config: SamplingConfig
     generator: torch.Generator
     eos_token_ids: tuple[int, ...] = ()
+    fanout: int = 0  # SSD: report this many top candidates per drafted position (0 = none)
+    should_stop: Callable[[], bool] | None = None  # SSD: polled between forwards; True = return what is drafted
 
 
 @dataclass(frozen=True)
@@ -40,15 +46,39 @@ class Draft:
     tokens: list[int]
     q_draft: torch.Tensor | None = None  # [gamma, V] float32
     tree: TreeAttention | None = None  # chain drafters leave it None
+    # SSD: per drafted position, the drafter's top candidates there (most likely first) and their probabilities
+    top_ids: list[list[int]] | None = None
+    top_probs: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         if self.q_draft is not None and self.q_draft.shape[0] != len(self.tokens):
             raise ValueError(f"q_draft has {self.q_draft.shape[0]} rows for {len(self.tokens)} draft tokens")
 
     def truncated(self, n: int) -> Draft:
-        """The first n draft tokens (and their q rows)."""
+        """The first n draft tokens (and their q rows and candidates)."""
         q = self.q_draft[:n] if self.q_draft is not None else None
-        return Draft(self.tokens[:n], q, self.tree)
+        top_ids = self.top_ids[:n] if self.top_ids is not None else None
+        top_probs = self.top_probs[:n] if self.top_probs is not None else None
+        return Draft(self.tokens[:n], q, self.tree, top_ids, top_probs)
+
+    def dropped(self, n: int) -> Draft:
+        """The draft without its first n tokens (rows dropped alike)."""
+        q = self.q_draft[n:] if self.q_draft is not None else None
+        top_ids = self.top_ids[n:] if self.top_ids is not None else None
+        top_probs = self.top_probs[n:] if self.top_probs is not None else None
+        return Draft(self.tokens[n:], q, self.tree, top_ids, top_probs)
+
+    def extended(self, more: Draft) -> Draft:
+        """This draft followed by `more` (drafted after it); q rows and candidates are kept only if both have them."""
+        if not more.tokens:
+            return self
+        if not self.tokens:
+            return more
+        both_q = self.q_draft is not None and more.q_draft is not None
+        q = torch.cat([self.q_draft, more.q_draft]) if both_q else None
+        ids = self.top_ids + more.top_ids if self.top_ids is not None and more.top_ids is not None else None
+        probs = self.top_probs + more.top_probs if self.top_probs is not None and more.top_probs is not None else None
+        return Draft(self.tokens + more.tokens, q, None, ids, probs)
 
 
 @runtime_checkable

@@ -6,7 +6,8 @@ and feeds the missing tokens in one forward, then runs gamma - 1 decode steps. q
 after the same logits processors as the target (`lab.sampling.process_logits` and `target_distribution`), and
 x_i is drawn from q_i with the run's generator (Leviathan et al. 2023, Alg. 1, lines 1-3); in greedy mode x_i is
 the argmax, a deterministic draft, so q_draft is None (q one-hot at x_i). The last drafted token is never fed
-to the drafter; the next proposal feeds it if kept.
+to the drafter; the next proposal feeds it if kept. For SSD a context can ask for the top fanout + 1 tokens of
+each q_i (`Draft.top_ids`, ranking the guessed outcomes) and stop early (`should_stop`, polled between forwards).
 `self_draft_view(target, L)` builds the self-drafter (as in Draft & Verify, Zhang et al. 2024, and LayerSkip,
 Elhoushi et al. 2024, without their training): a shallow copy of the target that shares every parameter
 (embeddings, the first L decoder layers, the final norm, the LM head) and has `num_hidden_layers = L`, so it

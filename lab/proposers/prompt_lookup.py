@@ -9,6 +9,9 @@ Differences from HF: HF takes the first (leftmost) match of the longest n-gram a
 EOS; we take the most recent (rightmost) match, which follows the text being generated more closely, and the
 strategy cuts every draft after EOS. HF also drops candidates its logits processors forbid (p = -inf); we let
 verification reject them (p(x) = 0 is never accepted), which is the same result one forward later.
+For SSD (`context.fanout` > 0) each drafted position also reports its candidates (`continuations`): the distinct
+tokens that followed earlier matches of the longest matching suffix n-gram there, most frequent first, with
+their relative frequencies as probabilities (a ranking heuristic, not a model distribution).
 Not covered: suffix trees / multi-candidate lookup (a tree of matches).
 """
 
@@ -29,6 +32,24 @@ def lookup(tokens: list[int], max_ngram: int, gamma: int) -> list[int]:
     return []
 
 
+def continuations(tokens: list[int], max_ngram: int, limit: int) -> tuple[list[int], list[float]]:
+    """The distinct tokens that followed earlier matches of the longest matching suffix n-gram (n <= max_ngram),
+    most frequent first (ties: most recent first), with their relative frequencies; at most `limit`."""
+    length = len(tokens)
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        suffix = tokens[length - n :]
+        counts: dict[int, int] = {}
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start] == suffix[0] and tokens[start : start + n] == suffix:
+                follower = tokens[start + n]
+                counts[follower] = counts.get(follower, 0) + 1
+        if counts:
+            ranked = sorted(counts.items(), key=lambda item: -item[1])[:limit]  # stable: recency among ties
+            total = sum(counts.values())
+            return [t for t, _ in ranked], [round(c / total, 6) for _, c in ranked]
+    return [], []
+
+
 class PromptLookupProposer:
     """Deterministic n-gram drafter over the prompt and the generated text; costs no forward pass."""
 
@@ -46,7 +67,13 @@ class PromptLookupProposer:
     def propose(self, context: DraftContext) -> Draft:
         if context.gamma <= 0:
             return Draft([])
-        return Draft(lookup(context.tokens, self.max_ngram, context.gamma))
+        tokens = lookup(context.tokens, self.max_ngram, context.gamma)
+        if not context.fanout or not tokens:
+            return Draft(tokens)
+        rows = [
+            continuations(context.tokens + tokens[:i], self.max_ngram, context.fanout + 1) for i in range(len(tokens))
+        ]
+        return Draft(tokens, None, None, [ids for ids, _ in rows], [probs for _, probs in rows])
 
     def accept(self, n_accepted: int) -> None:
         """Stateless: nothing to roll back."""
