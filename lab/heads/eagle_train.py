@@ -1,0 +1,201 @@
+"""Training the EAGLE draft head on self-distillation data, base model frozen (`train-heads --kind eagle`).
+
+For every stored sequence the head reads the pairs (f_p + noise, x_{p+1}) causally and is trained on
+    L = 1.0 * SmoothL1(f_hat_{p+1}, f_{p+1}) + 0.1 * CE(p_{p+1}, softmax(W_lm[V_d] f_hat_{p+1}))    (EAGLE, Sec. 4.2)
+where f_{p+1} is the target's real next feature (after the final norm) and p_{p+1} the target's own
+next-token distribution at p + 1 (its stored top-32, restricted to V_d and renormalised; positions with no mass
+in V_d get no CE). Noise ~ U(-0.1, 0.1) on the input features, as the paper (data augmentation against the
+error accumulation of drafting from its own features). AdamW, linear warm-up then cosine decay to 10%,
+gradient clipping at 0.5 (EAGLE's setting). A batch is whole sequences (right-padded, causal mask) adding up to
+about `batch_size` rows. Sequences with id % 20 == 0 are held out: the log reports their regression loss, CE
+and top-1 / top-5 accuracy (the head's argmax over V_d equals the target's argmax) at the end of every epoch.
+Not covered: EAGLE-3's training-time test (unrolling the head on its own predictions), GPU mixed precision.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from lab.distill.dataset import DistillData
+from lab.heads.common import draft_vocabulary
+from lab.heads.eagle import EagleHead, head_tensors
+from lab.models import LoadedModel
+
+FEATURE_WEIGHT = 1.0  # w_reg (EAGLE Sec. 4.2)
+CE_WEIGHT = 0.1  # w_cls
+NOISE = 0.1  # input features + U(-NOISE, NOISE)
+CLIP = 0.5
+HELD_OUT_EVERY = 20
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Batch:
+    features: torch.Tensor  # [B, T, H] f_p
+    tokens: torch.Tensor  # [B, T] x_{p+1}
+    positions: torch.Tensor  # [B, T] p
+    target: torch.Tensor  # [B, T, H] f_{p+1}
+    soft_ids: torch.Tensor  # [B, T, k] teacher top-k at p + 1 as V_d indices (-1 outside)
+    soft_probs: torch.Tensor  # [B, T, k] their probabilities (0 outside V_d)
+    valid: torch.Tensor  # [B, T] bool, a real pair (not padding)
+
+
+def sequence_spans(data: DistillData) -> list[tuple[int, int, int]]:
+    """(sequence id, first row, end row) of every sequence with at least two rows (one training pair)."""
+    ids, counts = torch.unique_consecutive(data.sequence, return_counts=True)
+    ends = counts.cumsum(0)
+    spans = zip(ids.tolist(), (ends - counts).tolist(), ends.tolist(), strict=True)
+    return [(s, a, b) for s, a, b in spans if b - a >= 2]
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Per data row, ready for slicing: f_p in float32 and the teacher's top-k at p as V_d indices / probs."""
+
+    features: torch.Tensor  # [N, H]
+    soft_ids: torch.Tensor  # [N, k] long, -1 outside V_d
+    soft_probs: torch.Tensor  # [N, k], 0 outside V_d
+
+
+def prepare_rows(data: DistillData, remap: torch.Tensor) -> Rows:
+    ids = remap[data.topk_ids]
+    return Rows(data.hidden.float(), ids, torch.where(ids >= 0, data.topk_probs, 0.0))
+
+
+def make_batch(data: DistillData, rows: Rows, spans: list[tuple[int, int, int]]) -> Batch:
+    """Right-padded pairs of whole sequences: inputs rows a..b-2, targets rows a+1..b-1."""
+    width = max(b - a - 1 for _, a, b in spans)
+    n, hidden, top = len(spans), rows.features.shape[1], rows.soft_ids.shape[1]
+    features, target = torch.zeros(n, width, hidden), torch.zeros(n, width, hidden)
+    tokens, positions = torch.zeros(n, width, dtype=torch.long), torch.zeros(n, width, dtype=torch.long)
+    soft_ids, soft_probs = torch.full((n, width, top), -1, dtype=torch.long), torch.zeros(n, width, top)
+    valid = torch.zeros(n, width, dtype=torch.bool)
+    for i, (_, a, b) in enumerate(spans):
+        m = b - a - 1
+        features[i, :m], target[i, :m] = rows.features[a : b - 1], rows.features[a + 1 : b]
+        tokens[i, :m], valid[i, :m] = data.next_token[a : b - 1], True
+        positions[i, :m] = data.position[a : b - 1]
+        positions[i, m:] = positions[i, m - 1] + 1 + torch.arange(width - m)
+        soft_ids[i, :m], soft_probs[i, :m] = rows.soft_ids[a + 1 : b], rows.soft_probs[a + 1 : b]
+    return Batch(features, tokens, positions, target, soft_ids, soft_probs, valid)
+
+
+def group(spans: list, batch_rows: int, generator: torch.Generator | None) -> list[list]:
+    """Sequences of similar length (little padding) cut into groups of about `batch_rows` pairs; with a
+    generator the lengths are jittered and the groups shuffled, so every epoch batches differently."""
+    lengths = torch.tensor([b - a for _, a, b in spans], dtype=torch.float32)
+    if generator is not None:
+        lengths = lengths + 16 * torch.rand(len(spans), generator=generator)
+    groups, current, rows = [], [], 0
+    for index in lengths.argsort().tolist():
+        current.append(spans[index])
+        rows += spans[index][2] - spans[index][1] - 1
+        if rows >= batch_rows:
+            groups.append(current)
+            current, rows = [], 0
+    groups += [current] if current else []
+    if generator is not None:
+        groups = [groups[i] for i in torch.randperm(len(groups), generator=generator).tolist()]
+    return groups
+
+
+def losses(head: EagleHead, batch: Batch, noise: float) -> dict[str, torch.Tensor]:
+    """Smooth L1 on features, soft CE on the draft distribution, and the argmax hits, over valid pairs."""
+    features = batch.features
+    if noise:
+        features = features + (torch.rand_like(features) - 0.5) * 2 * noise
+    predicted = head(features, batch.tokens, batch.positions)  # [B, T, H]
+    reg = F.smooth_l1_loss(predicted, batch.target, reduction="none").mean(-1)  # [B, T]
+    logp = head.logits(predicted).float().log_softmax(-1)  # [B, T, V_d]
+    mass = batch.soft_probs.sum(-1)  # [B, T]
+    ce = -(batch.soft_probs * logp.gather(-1, batch.soft_ids.clamp_min(0))).sum(-1) / mass.clamp_min(1e-9)
+    has_ce = batch.valid & (mass > 0)
+    teacher = batch.soft_ids[..., 0]  # the teacher's argmax as a V_d index (-1 outside)
+    top5 = logp.topk(5, dim=-1).indices  # [B, T, 5]
+    return {
+        "reg": reg[batch.valid].mean(),
+        "ce": ce[has_ce].mean() if has_ce.any() else logp.new_zeros(()),
+        "top1": (top5[..., 0] == teacher)[batch.valid].float().mean(),
+        "top5": (top5 == teacher[..., None]).any(-1)[batch.valid].float().mean(),
+    }
+
+
+def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
+    """Linear warm-up to `peak`, then cosine decay to 10% of it."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(steps - warmup, 1)
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+@torch.no_grad()
+def evaluate(head: EagleHead, data: DistillData, rows: Rows, held: list) -> dict[str, float]:
+    """Held-out metrics without noise, weighted by pairs per batch."""
+    totals, count = {}, 0
+    for spans in group(held, 2048, None):
+        batch = make_batch(data, rows, spans)
+        n = int(batch.valid.sum())
+        for name, value in losses(head, batch, 0.0).items():
+            totals[name] = totals.get(name, 0.0) + float(value) * n
+        count += n
+    return {name: round(value / max(count, 1), 4) for name, value in totals.items()}
+
+
+def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[dict, dict]:
+    """Train the EAGLE head; returns (tensors, config) for `lab.heads.common.save_heads`."""
+    size = options.draft_vocab if options.draft_vocab > 0 else loaded.vocab_size
+    vocab = draft_vocabulary(data.token_frequencies(loaded.vocab_size), size, always=loaded.eos_token_ids)
+    remap = torch.full((loaded.vocab_size,), -1, dtype=torch.long)
+    remap[vocab] = torch.arange(vocab.numel())
+    head = EagleHead(loaded, vocab).float().train()
+    head._target["lm_weight"] = head._target["lm_weight"].float()
+    spans, rows = sequence_spans(data), prepare_rows(data, remap)
+    held = [s for s in spans if s[0] % HELD_OUT_EVERY == 0]
+    train_spans = [s for s in spans if s[0] % HELD_OUT_EVERY != 0]
+    if options.tokens is not None:  # the first sequences up to `tokens` rows
+        ends = torch.tensor([b - a for _, a, b in train_spans]).cumsum(0)
+        train_spans = train_spans[: max(1, int((ends <= options.tokens).sum()))]
+    covered = float(data.token_frequencies(loaded.vocab_size)[vocab].sum()) / data.rows
+    log(f"draft vocabulary {vocab.numel()} ids ({covered:.1%} of response tokens); {len(train_spans)} training "
+        f"sequences, {len(held)} held out")  # fmt: skip
+    generator = torch.Generator().manual_seed(options.seed)
+    per_epoch = len(group(train_spans, options.batch_size, None))
+    steps = max(1, math.ceil(options.epochs * per_epoch))
+    optimizer = torch.optim.AdamW(head.parameters(), lr=options.lr, weight_decay=0.0)
+    step, start, running = 0, time.perf_counter(), []
+    while step < steps:
+        for spans in group(train_spans, options.batch_size, generator):
+            if step == steps:
+                break
+            for group_ in optimizer.param_groups:
+                group_["lr"] = learning_rate(step, steps, options.lr, warmup=max(steps // 20, 1))
+            parts = losses(head, make_batch(data, rows, spans), NOISE)
+            loss = FEATURE_WEIGHT * parts["reg"] + CE_WEIGHT * parts["ce"]
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), CLIP)
+            optimizer.step()
+            running.append([float(parts[k].detach()) for k in ("reg", "ce", "top1")])
+            step += 1
+            if step % 20 == 0 or step == steps:
+                mean = torch.tensor(running).mean(0).tolist()
+                log(f"step {step}/{steps} reg {mean[0]:.4f} ce {mean[1]:.3f} top1 {mean[2]:.3f} "
+                    f"({time.perf_counter() - start:.0f} s)")  # fmt: skip
+                running = []
+            if step % per_epoch == 0 or step == steps:
+                log(f"held out @ step {step}: {evaluate(head.eval(), data, rows, held)}")
+                head.train()
+    metrics = evaluate(head.eval(), data, rows, held)
+    config = {
+        "draft_vocab": int(vocab.numel()),
+        "layer_class": type(head.layer).__name__,
+        "loss": {"feature_weight": FEATURE_WEIGHT, "ce_weight": CE_WEIGHT, "noise": NOISE},
+        "held_out": metrics,
+    }
+    return head_tensors(head), config
