@@ -141,3 +141,30 @@ def test_greedy_heads_equal_greedy_on_the_embedded_model(embedded, name: str) ->
         tokens = [e.token_id for e in events if isinstance(e, TokenEmitted)]
         assert tokens == greedy_tokens(embedded, ids, 48)
         assert summarize(events).mean_accepted_length > 1.2  # the trained heads do get tokens accepted
+
+
+def test_views_draw_what_the_trace_recorded() -> None:
+    from visualizers import heads as views
+
+    loaded = tiny_loaded_model(1)
+    params = TreeParams(max_new_tokens=24, tree_nodes=9)
+    _, events = _run(loaded, list(b"views"), params, MTPCDrafter(random_circuit(loaded, seed=1), params, loaded))
+    rounds = [e for e in events if isinstance(e, TreeRound)]
+    tree = rounds[0]
+    fig = views.tree_figure(events, tree.step)
+    by_name = {trace.name: trace for trace in fig.data if trace.name}
+    assert len(by_name["accepted"].x) == len(tree.accepted)
+    drawn = sum(len(by_name[k].x) for k in ("accepted", "rejected", "pruned") if k in by_name)
+    assert drawn == len(tree.tokens) and tree.next_source in by_name
+    mask = views.attention_mask(tree.parents)
+    assert len(mask) == len(tree.tokens) + 1 and all(row[0] == 1 and row[i] == 1 for i, row in enumerate(mask))
+    assert views.head_topk_figure(events).data[0].z[0][0] == rounds[-1].head_top_probs[0][0]
+    pairs = views.pairs_figure(events).data
+    mix = [e for e in events if isinstance(e, MixtureRound)][-1]
+    assert list(pairs[0].y) == mix.joint and list(pairs[1].y) == mix.product
+    assert len(views.mixture_figure(events).data[0].x) == len(rounds)
+    hist = views.compare_accepted_lengths({"medusa": events, "mtpc": events}).data
+    assert sum(hist[0].y) == pytest.approx(1.0) and "tau" in hist[0].name
+    for figure in (views.tree_figure, views.pairs_figure, views.mixture_figure, views.accepted_length_figure):
+        assert figure([]).layout.annotations  # empty state
+    assert set(views.VIEWS) == {"medusa", "mtpc"}
