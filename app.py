@@ -56,8 +56,8 @@ from ui.run_tab import parse_params_json, run_api, stream_outputs
 __all__ = ["build_app", "inspect_trace", "main", "parse_params_json", "run_api", "stats_markdown", "stream_outputs"]
 
 
-def build_app() -> gr.Blocks:
-    """The whole UI; nothing is loaded until the first run."""
+def build_app(queue_max_size: int = QUEUE_MAX_SIZE) -> gr.Blocks:
+    """The whole UI; nothing is loaded until the first run. `queue_max_size`: waiting events the queue accepts."""
     from ui.run_tab import build_run_tab
 
     with gr.Blocks(title="Decoding Lab") as demo:
@@ -80,7 +80,7 @@ def build_app() -> gr.Blocks:
                 [replay["records_state"], replay["records"]],
                 **LIGHT,
             )
-    demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=1)
+    demo.queue(max_size=queue_max_size, default_concurrency_limit=1)
     return demo
 
 

@@ -104,3 +104,36 @@ def test_inspector_rerenders_a_step_from_the_trace_and_rejects_bad_traces(client
     assert list(figure.data[0].x) == step_one.top_probs
     with pytest.raises(Exception, match="Cannot read the trace"):
         app.inspect_trace('{"format": "nope"}', 0, 1.5)
+
+
+def test_compare_runs_strategies_side_by_side_with_a_diff(client):
+    job = client.submit(
+        ["greedy", "sample"], "Name three colours.", 0, 6, True, "smollm2-135m", "auto", "auto", api_name="/compare"
+    )
+    final = job.result(timeout=600)
+    diff, summary = final[-2], final[-1]
+    assert "| greedy |" in summary and "| sample |" in summary and "agreement with first" in summary
+    assert "sample</b> vs <b>greedy" in diff
+    assert "dl-token" in final[1] and "dl-token" in final[5]  # both columns' token views (title, tokens, stats, plot)
+    with pytest.raises(Exception, match="Choose 2 to 4"):
+        client.submit(["greedy"], "hi", 0, 4, True, "smollm2-135m", "auto", "auto", api_name="/compare").result(60)
+
+
+def test_a_full_queue_is_refused_with_a_clear_message():
+    demo = app.build_app(queue_max_size=1)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        running = submit(client, strategy="sample", prompt="Write a long story about a dragon.", max_new_tokens=1024)
+        deadline = time.time() + 120
+        while len(running.outputs()) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+        waiting = submit(client, max_new_tokens=2)  # fills the one waiting place
+        time.sleep(1.0)
+        with pytest.raises(Exception, match="Queue is full"):
+            submit(client, max_new_tokens=2).result(timeout=60)
+        running.cancel()
+        assert waiting.result(timeout=300)[3] is not None
+    finally:
+        demo.close()

@@ -5,6 +5,7 @@ step inspector and its token-click wiring. Gradio UI code only; the logic lives 
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 import time
 import uuid
@@ -30,9 +31,10 @@ from visualizers import (
 )
 
 RENDER_INTERVAL_S = 0.2
-MAX_RUN_SECONDS = 300
+# Deployment knobs (environment): the hard limit of one run, the waiting events the queue accepts.
+MAX_RUN_SECONDS = int(os.environ.get("DECODING_LAB_MAX_RUN_S", "300"))
+QUEUE_MAX_SIZE = int(os.environ.get("DECODING_LAB_QUEUE_SIZE", "16"))
 MEASURE_TIME_LIMIT = 1200
-QUEUE_MAX_SIZE = 16
 STATE_TTL_S = 3600
 MAX_PARAMS_JSON_CHARS = 10_000
 MAX_UPLOAD = "10mb"
@@ -48,8 +50,10 @@ TRACE_DIR = Path(tempfile.gettempdir()) / "decoding-lab-traces"
 MAX_TRACE_FILES = 200
 COMMON_DEFAULTS = DecodeParams()
 MAX_FIGURES = 6  # plot slots: a strategy's main view first, then its detail views
+VIEW_COUNT = 3 + MAX_FIGURES  # token view, figures, stats, text (`view_updates`)
 MODEL_QUEUE = {"concurrency_id": "model", "concurrency_limit": 1, "time_limit": MAX_RUN_SECONDS + 120}
-LIGHT = {"concurrency_id": "light", "concurrency_limit": 4, "api_visibility": "private"}
+# Light work (replay, inspect, learn, history) bypasses the queue, so a full model queue never blocks it.
+LIGHT = {"queue": False, "api_visibility": "private"}
 LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "$", "right": "$", "display": False}]
 ALTERNATIVE_HEADERS = ["rank", "token", "p"]
 # A click on a token span (data-step) of a token view sends {step} with the HTML component's click event.
@@ -136,6 +140,15 @@ def stats_markdown(trace: Trace, status: str = "") -> str:
     rows.append(("stop", status or stats.stop_reason))
     header = "| " + " | ".join(k for k, _ in rows) + " |\n|" + "---|" * len(rows)
     return header + "\n| " + " | ".join(str(v) for _, v in rows) + " |"
+
+
+def stats_line(trace: Trace, status: str = "") -> str:
+    """The run's numbers on one line (narrow columns)."""
+    stats = summarize(trace.events)
+    parts = [f"{stats.new_tokens} tokens", f"{stats.tokens_per_s} tok/s", f"{stats.forwards_per_token} fwd/token"]
+    if stats.acceptance_rate is not None:
+        parts += [f"α {stats.acceptance_rate}", f"τ {stats.mean_accepted_length}"]
+    return " · ".join(parts + [status or stats.stop_reason])
 
 
 def write_trace_file(trace_json: str) -> str:

@@ -22,6 +22,7 @@ from ui.common import (
     build_inspector,
     checked_request,
     empty_figure,
+    stats_line,
     strategy_choices,
     stream_trace,
     view_updates,
@@ -30,6 +31,10 @@ from ui.common import (
 from visualizers.compare import diff_html
 
 COLUMN_OUTPUTS = 4  # title, token view, stats, main plot
+NUMERICS_NOTE = (
+    "Lossless methods (the speculative family in greedy mode) reproduce greedy exactly in float32; in bfloat16 a "
+    "multi-token verify forward can round a near-tie the other way, so a late difference can come from numerics."
+)
 DEFAULT_COMPARED = [name for name in ("greedy", "speculative", "sample") if name in REGISTRY][:3]
 
 
@@ -42,8 +47,8 @@ def _requests(names: list[str], prompt: str, seed, max_new_tokens, options: dict
 
 
 def _column(trace: Trace, status: str = "") -> list:
-    tokens, main, stats, _text, *_details = view_updates(trace, status)
-    return [f"#### {trace.strategy}", tokens, main, stats]
+    tokens, main, _stats, _text, *_details = view_updates(trace, status)
+    return [f"#### {trace.strategy}", tokens, stats_line(trace, status), main]
 
 
 def _frame(index: int, column: list, count: int) -> list:
@@ -60,10 +65,11 @@ def _final(traces: list[Trace], statuses: list[str]) -> list:
         if i < len(traces):
             columns += _column(traces[i], statuses[i])
         else:
-            columns += ["", "", empty_figure(), ""]
+            columns += ["", "", "", empty_figure()]
     diffs = {t.strategy: compare.token_diff(traces[0], t) for t in traces[1:]}
     summary = compare.rows_markdown(compare.compare_rows(traces))
     visible = [gr.Column(visible=i < len(traces)) for i in range(MAX_COMPARED)]
+    summary += f"\n\n*{NUMERICS_NOTE}*"
     return visible + columns + [diff_html(traces[0].strategy, diffs), summary, {"traces": traces}]
 
 
@@ -110,8 +116,8 @@ def build_compare_tab(settings: dict) -> None:
                 outputs += [
                     gr.Markdown(elem_id=f"compare-title-{i}"),
                     gr.HTML(elem_id=f"compare-tokens-{i}", js_on_load=TOKEN_CLICK_JS),
-                    gr.Plot(elem_id=f"compare-plot-{i}", label="Internals"),
                     gr.Markdown(elem_id=f"compare-stats-{i}"),
+                    gr.Plot(elem_id=f"compare-plot-{i}", label="Internals"),
                 ]
             columns.append(column)
     summary = gr.Markdown(elem_id="compare-summary")

@@ -13,6 +13,7 @@ from ui.common import (
     LIGHT,
     REPLAY_TICK_S,
     STATE_TTL_S,
+    VIEW_COUNT,
     build_inspector,
     build_views,
     view_list,
@@ -70,7 +71,7 @@ def on_history(records: list[dict] | None, run_id) -> list:
 
 def on_seek(value: dict | None, frame: float) -> list:
     if not value:
-        return [gr.skip()] * len(view_updates(Trace("greedy", "", "", {})))
+        return [gr.skip()] * VIEW_COUNT
     return frame_outputs(value["trace"], int(frame or 0))
 
 
@@ -85,7 +86,7 @@ def on_play(value: dict | None, frame: float) -> list:
 def on_tick(value: dict | None, frame: float) -> list:
     """Advance one step and render it; stop the timer at the end."""
     if not value:
-        return [gr.Timer(active=False), gr.skip(), *[gr.skip()] * len(view_updates(Trace("greedy", "", "", {})))]
+        return [gr.Timer(active=False), gr.skip(), *[gr.skip()] * VIEW_COUNT]
     last = replay.frame_count(value["trace"])
     nxt = min(int(frame or 0) + 1, last)
     return [gr.Timer(active=nxt < last), nxt, *frame_outputs(value["trace"], nxt)]
