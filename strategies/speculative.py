@@ -65,7 +65,10 @@ class SpeculativeParams(DecodeParams):
         "", help="drafter=model: a Hugging Face id or path with the same tokenizer (empty = target)."
     )
     draft_layers: int = param(8, low=1, high=256, help="drafter=self-draft: L, the target's first L layers draft.")
-    max_ngram: int = param(3, low=1, high=8, help="drafter=prompt-lookup: longest suffix n-gram searched for.")
+    max_ngram: int = param(4, low=1, high=8, help="drafter=prompt-lookup: longest suffix n-gram searched for.")
+    lookup_scaling: bool = param(
+        True, help="drafter=prompt-lookup: draft at most 2n - 1 tokens after a match of n tokens (else gamma)."
+    )
     temperature: float = param(0.0, low=0.0, high=2.0, help="p = softmax(z / T) for target and draft (0 = greedy).")
     top_k: int = param(0, low=0, high=1000, help="Keep the k most likely tokens of p and q (0 = off).")
     top_p: float = param(1.0, low=0.05, high=1.0, help="Nucleus on p and q: smallest top set with mass >= top_p.")
@@ -255,6 +258,7 @@ def run(
         draft_model=params.draft_model,
         draft_layers=params.draft_layers,
         max_ngram=params.max_ngram,
+        lookup_scaling=params.lookup_scaling,
     )
     return decode_loop(loaded, prompt_ids, params, proposer, generator)
 

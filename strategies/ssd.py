@@ -200,6 +200,7 @@ def run(loaded: LoadedModel, prompt_ids: list[int], params: SSDParams, generator
         draft_model=params.draft_model,
         draft_layers=params.draft_layers,
         max_ngram=params.max_ngram,
+        lookup_scaling=params.lookup_scaling,
     )
     return decode_loop(loaded, prompt_ids, params, proposer, generator)
 

@@ -14,7 +14,7 @@ from lab.models import LoadedModel
 from lab.params import InputError
 from lab.proposers.base import Draft, DraftContext, Proposer, common_prefix_length
 from lab.proposers.model import ModelProposer, check_same_tokenizer, load_draft_model, self_draft_view
-from lab.proposers.prompt_lookup import PromptLookupProposer, lookup
+from lab.proposers.prompt_lookup import PromptLookupProposer, lookup, lookup_match
 from lab.proposers.verifier import Verification, process_rows, verify_draft
 from lab.validation import validate_model_spec
 
@@ -22,12 +22,18 @@ DRAFTERS = ("prompt-lookup", "self-draft", "model")
 
 
 def make_proposer(
-    target: LoadedModel, drafter: str, *, draft_model: str = "", draft_layers: int = 8, max_ngram: int = 3
+    target: LoadedModel,
+    drafter: str,
+    *,
+    draft_model: str = "",
+    draft_layers: int = 8,
+    max_ngram: int = 3,
+    lookup_scaling: bool = False,
 ) -> Proposer:
     """The proposer called `drafter`: prompt-lookup (max_ngram), self-draft (the target's first draft_layers
     layers) or model (draft_model by id or path; empty = the target itself, an always-right drafter)."""
     if drafter == "prompt-lookup":
-        return PromptLookupProposer(max_ngram)
+        return PromptLookupProposer(max_ngram, scaled=lookup_scaling)
     if drafter == "self-draft":
         return ModelProposer(
             self_draft_view(target, draft_layers), target.vocab_size, name=f"self-draft L={draft_layers}"
@@ -51,6 +57,7 @@ __all__ = [
     "common_prefix_length",
     "load_draft_model",
     "lookup",
+    "lookup_match",
     "make_proposer",
     "process_rows",
     "self_draft_view",
