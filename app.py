@@ -33,7 +33,7 @@ Element ids (stable; the browser tests use them):
         replay-inspect-plot, replay-alternatives
   learn: learn-language, learn-strategy, learn-text
   measure: measure-strategies, measure-prompts, measure-tokens, measure-run, measure-table, measure-quality,
-        measure-acceptance, measure-matrix
+        measure-acceptance, measure-matrix, measure-file
 Token views (token-view, replay-token-view, compare-tokens-i) are gr.HTML with a click listener: clicking a
 token (a span with data-step) opens that step in the tab's inspector (top-k alternatives + the strategy's view).
 """

@@ -151,13 +151,13 @@ def stats_line(trace: Trace, status: str = "") -> str:
     return " · ".join(parts + [status or stats.stop_reason])
 
 
-def write_trace_file(trace_json: str) -> str:
-    """Save a trace for download; the folder keeps at most MAX_TRACE_FILES files (oldest removed)."""
+def write_trace_file(trace_json: str, prefix: str = "trace") -> str:
+    """Save a trace (or other JSON) for download; the folder keeps at most MAX_TRACE_FILES files (oldest removed)."""
     TRACE_DIR.mkdir(parents=True, exist_ok=True)
     old = sorted(TRACE_DIR.glob("*.json"), key=lambda p: p.stat().st_mtime)
     for path in old[: max(0, len(old) - MAX_TRACE_FILES + 1)]:
         path.unlink(missing_ok=True)
-    path = TRACE_DIR / f"trace-{uuid.uuid4().hex[:12]}.json"
+    path = TRACE_DIR / f"{prefix}-{uuid.uuid4().hex[:12]}.json"
     path.write_text(trace_json, encoding="utf-8")
     return str(path)
 

@@ -4,6 +4,8 @@ selection matrix (`visualizers.measure`). A benchmark holds the model queue for 
 
 from __future__ import annotations
 
+import json
+
 import gradio as gr
 
 from lab import learn
@@ -11,9 +13,16 @@ from lab.measure import DEFAULT_LIMIT, DEFAULT_STRATEGIES, DEFAULT_TOKENS, measu
 from lab.models import ModelLoadError
 from lab.params import InputError
 from strategies import REGISTRY
-from ui.common import LIGHT, MEASURE_TIME_LIMIT, STATE_TTL_S
+from ui.common import LIGHT, MEASURE_TIME_LIMIT, STATE_TTL_S, write_trace_file
 from visualizers.measure import acceptance_speedup_figure, quality_throughput_figure, selection_matrix_figure
 
+EXPLAIN = (
+    "Runs `lab bench` (interleaved, after a warm-up) on the Run tab's model with each strategy's default parameters "
+    "over the first builtin prompts, then re-runs each output with the same seed and scores it: *quality* is the "
+    "target model's mean log-probability per output token (nats, temperature 1), a likelihood, not a human "
+    "judgement. Strategies that cannot run here (e.g. heads not trained for this model) are skipped with the reason. "
+    "A few minutes on a CPU; it holds the model queue while it runs."
+)
 TABLE_KEYS = ("name", "family", "tokens_per_s", "speedup", "quality", "acceptance_rate", "mean_accepted_length")
 
 
@@ -53,7 +62,8 @@ def run_measure(names, limit, tokens, model, device, dtype, language, progress=g
         )
     except (InputError, ModelLoadError) as error:
         raise gr.Error(str(error)) from None
-    return [table_markdown(result), *figures(result, language), result]
+    path = write_trace_file(json.dumps(result, ensure_ascii=False, indent=1), prefix="measure")
+    return [table_markdown(result), *figures(result, language), path, result]
 
 
 def build_measure_tab(settings: dict, language: gr.Radio) -> None:
@@ -63,16 +73,18 @@ def build_measure_tab(settings: dict, language: gr.Radio) -> None:
         limit = gr.Slider(1, 8, value=DEFAULT_LIMIT, step=1, label="builtin prompts", elem_id="measure-prompts")
         tokens = gr.Slider(8, 256, value=DEFAULT_TOKENS, step=8, label="max_new_tokens", elem_id="measure-tokens")
         run = gr.Button("Run benchmark", variant="primary", elem_id="measure-run")
-    table = gr.Markdown("Runs `lab bench` on the Run tab's model; a few minutes on a CPU.", elem_id="measure-table")
+    gr.Markdown(EXPLAIN)
+    table = gr.Markdown(elem_id="measure-table")
     quality = gr.Plot(label="Quality vs throughput", elem_id="measure-quality")
     acceptance = gr.Plot(label="Acceptance vs speedup", elem_id="measure-acceptance")
     matrix = gr.Plot(label="Selection matrix", elem_id="measure-matrix")
+    download = gr.File(label="Measured numbers (JSON)", interactive=False, elem_id="measure-file")
     state = gr.State(None, time_to_live=STATE_TTL_S)
     inputs = [names, limit, tokens, settings["model"], settings["device"], settings["dtype"], language]
     run.click(
         run_measure,
         inputs,
-        [table, quality, acceptance, matrix, state],
+        [table, quality, acceptance, matrix, download, state],
         api_visibility="private",
         concurrency_id="model",
         concurrency_limit=1,

@@ -11,6 +11,8 @@ A row without a value (no acceptance rate, no quality) is left out of that figur
 
 from __future__ import annotations
 
+import textwrap
+
 import plotly.graph_objects as go
 
 from visualizers.style import STATUS_COLORS, base_layout
@@ -109,6 +111,15 @@ def _speed_cell(row: dict) -> str:
     return text
 
 
+def _wrap(text: str, width: int) -> str:
+    """Break a cell's text into lines of about `width` characters (plotly tables do not wrap); CJK text, which
+    is cut every width // 2 characters (about the same width)."""
+    if any(ord(ch) >= 0x2E80 for ch in text):
+        step = max(width // 2, 1)
+        return "<br>".join(text[i : i + step] for i in range(0, len(text), step))
+    return "<br>".join(textwrap.wrap(text, width, break_long_words=False)) or text
+
+
 def selection_matrix_figure(rows: list[dict], cells: dict[str, tuple[str, str, str]], headings: tuple) -> go.Figure:
     """A table per measured strategy: family, problem solved, core operation, measured speed, when to use it."""
     title = "Selection matrix"
@@ -116,6 +127,7 @@ def selection_matrix_figure(rows: list[dict], cells: dict[str, tuple[str, str, s
         return empty_figure(title, "Run the benchmark first")
     problem, operation, when = headings
     columns = ["strategy", "family", problem, operation, "measured", when]
+    widths = (12, 12, 24, 26, 22, 44)
     body = [
         [r["name"] for r in rows],
         [r["family"] for r in rows],
@@ -124,11 +136,13 @@ def selection_matrix_figure(rows: list[dict], cells: dict[str, tuple[str, str, s
         [_speed_cell(r) for r in rows],
         [cells.get(r["name"], ("", "", ""))[2] for r in rows],
     ]
+    body = [[_wrap(str(cell), width) for cell in column] for column, width in zip(body, widths, strict=True)]
+    lines = max((cell.count("<br>") + 1 for column in body for cell in column), default=1)
     table = go.Table(
-        columnwidth=[1.0, 1.1, 1.8, 2.0, 1.6, 3.0],
+        columnwidth=list(widths),
         header={"values": columns, "fill_color": "#e2e8f0", "align": "left", "font": {"size": 12}},
-        cells={"values": body, "align": "left", "height": 28, "font": {"size": 11}},
+        cells={"values": body, "align": "left", "height": 16 * lines + 10, "font": {"size": 11}},
     )
-    layout = base_layout(title, 120 + 56 * len(rows))
+    layout = base_layout(title, 110 + (16 * lines + 14) * len(rows))
     layout["margin"] = {"l": 8, "r": 8, "t": 40, "b": 8}
     return go.Figure(table, layout=layout)
