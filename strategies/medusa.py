@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Protocol
 
 import torch
@@ -147,6 +148,7 @@ class Emitter:
         self.generated: list[int] = []
         self.stop_reason: str | None = None
         self.detokenizer = IncrementalDetokenizer(self.loaded.tokenizer)
+        self.text_of = lru_cache(maxsize=8192)(self.loaded.token_text)
 
     def emit(self, step: int, tokens: list[int], sources: list[str], rows: torch.Tensor) -> Iterator[TokenEmitted]:
         """TokenEmitted per token (cut at EOS / budget); rows[i] = the processed logits token i was chosen from."""
@@ -162,7 +164,7 @@ class Emitter:
                 self.stop_reason = "max_new_tokens"
             text = self.detokenizer.push(token) + (self.detokenizer.flush() if self.stop_reason else "")
             ids = top_ids[i].tolist()
-            texts, probs = [self.loaded.token_text(t) for t in ids], [round(p, 6) for p in top_probs[i].tolist()]
+            texts, probs = [self.text_of(t) for t in ids], [round(p, 6) for p in top_probs[i].tolist()]
             yield TokenEmitted(step, token, text, sources[i], time.perf_counter() - self.start, ids, texts, probs)
 
 
@@ -203,6 +205,7 @@ def tree_decode_loop(
             full = ([root] + tree.tokens, [-1] + [p + 1 for p in tree.parents])
             n_past = state.length
             v = runtime.verify_tree(state, build_tree_attention(full[1]), full[0], hidden_states=True)  # 2.
+            t2 = time.perf_counter()
             processed = process_logits(v.logits, config, [])  # [n + 1, V]
             path, next_token, source = accept(tree, full, processed, params, generator)  # 3.
             runtime.select(state, list(range(n_past)) + [n_past + i for i in path])  # 4.
@@ -213,8 +216,8 @@ def tree_decode_loop(
             events = list(out.emit(step, tokens, sources, processed[torch.tensor(path)]))
             outcome = (next_token, source, len(out.generated) - before)
             probs = processed.softmax(-1)
-            times = (t1 - t0, time.perf_counter() - t1)
-            yield round_event(step, drafter.method, params, tree, root, path, outcome, probs, times, loaded.token_text)
+            times = (t1 - t0, t2 - t1)  # drafting, the verify forward
+            yield round_event(step, drafter.method, params, tree, root, path, outcome, probs, times, out.text_of)
             yield from extra
             yield from events  # 5.
             root = next_token
