@@ -1,0 +1,1 @@
+"""Tree of Thoughts (Yao et al. 2023): tasks, model calls, search and evaluation."""
