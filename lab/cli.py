@@ -24,7 +24,7 @@ from lab.params import InputError, param_specs
 
 # Modules that add subcommands: each defines register(commands, evaluations, add_model_options), adds its parsers
 # to `commands` (top-level) or `evaluations` (under `eval`) and sets `handler=fn(args) -> exit code` on them.
-PLUGIN_MODULES: tuple[str, ...] = ("lab.distill.cli", "lab.heads.cli", "lab.tot.eval")
+PLUGIN_MODULES: tuple[str, ...] = ("lab.distill.cli", "lab.heads.cli", "lab.tot.eval", "lab.rlm.evaluate")
 
 EXIT_OK, EXIT_INPUT, EXIT_MODEL, EXIT_INTERRUPTED = 0, 2, 3, 130
 DEVICE_HELP = "|".join(DEVICES)

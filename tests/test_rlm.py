@@ -1,0 +1,161 @@
+"""RLM: constrained decoding over the action trie, the grammar, the task generator, the loop on a tiny model
+and (embedded) the small model completing generated tasks in action mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lab import runtime
+from lab.params import InputError, build_params
+from lab.rlm import actions, lm, tasks
+from lab.rlm.loop import answer_matches
+from lab.runner import make_generator
+from lab.trace import ReplCall, RlmContext, RlmResult, RunFinished, TokenEmitted, Trace, from_json, to_json
+from strategies import get_strategy
+
+RLM = get_strategy("rlm")
+
+
+def constrained_reference(loaded, prompt_ids: list[int], candidates: list[str]) -> list[float]:
+    """log p_c(candidate) the slow way: one chain forward per candidate, the mask rebuilt from the set."""
+    sequences = [loaded.tokenizer(c, add_special_tokens=False)["input_ids"] for c in candidates]
+    scores = []
+    for sequence in sequences:
+        state, out = runtime.prefill(loaded, prompt_ids)
+        rows = [out.logits[-1]] + list(runtime.verify(state, sequence).logits[:-1])  # row t predicts token t
+        state.cache.reset()
+        total = 0.0
+        for t, row in enumerate(rows):
+            allowed = sorted({s[t] for s in sequences if len(s) > t and s[:t] == sequence[:t]})
+            total += float(torch.log_softmax(row[allowed], dim=-1)[allowed.index(sequence[t])])
+        scores.append(total)
+    return scores
+
+
+def test_trie_choice_matches_per_candidate_forwards(tiny) -> None:
+    prompt = tiny.encode("Question: where? Action:", chat=False)
+    candidates = [' grep("a")', ' grep("ab")', " peek(0, 10)", " FINAL(12)", " FINAL(1)", " FINAL(123)"]
+    choice = lm.choose(tiny, prompt, candidates)
+    reference = constrained_reference(tiny, prompt, candidates)
+    assert choice.logprobs == pytest.approx(reference, abs=2e-3)
+    assert choice.index == max(range(len(reference)), key=reference.__getitem__)
+    assert abs(sum(torch.tensor(choice.logprobs).exp().tolist()) - 1.0) < 1e-3  # a distribution over the set
+
+
+def test_generated_tasks_are_deterministic_and_correct() -> None:
+    for kind in tasks.KINDS:
+        a, b = tasks.make_task(kind, 5_000, 3), tasks.make_task(kind, 5_000, 3)
+        assert a == b and a != tasks.make_task(kind, 5_000, 4)
+        assert 5_000 * 2.5 < len(a.context) < 5_000 * 3.5
+    needle = tasks.make_task("needle", 5_000, 1)
+    name = needle.question.removeprefix("What is the secret code of ").rstrip("?")
+    assert f"The secret code of {name} is {needle.answer}." in needle.context
+    count = tasks.make_task("count", 5_000, 1)
+    label = count.question.rsplit(" ", 1)[1].rstrip("?")
+    assert count.context.count(f"status {label}.") == int(count.answer)
+    with pytest.raises(ValueError):
+        tasks.make_task("needle", 10, 0)
+
+
+def test_grammar_offers_terms_peeks_and_printed_values() -> None:
+    state = actions.ActionState("What is the secret code of Nora Falcon?", 90_000, "Log 00000")
+    first = [a.text for a in actions.candidates(state, map_k=8)]
+    assert 'grep("Nora Falcon")' in first and 'grep("Falcon")' in first and 'grep("the")' not in first
+    assert not any(t.startswith("FINAL") for t in first)  # nothing observed yet
+    observation = "[3343:3383] The secret code of Nora Falcon is 80036.\ncount of matching lines: 1\n"
+    state.history.append((actions.Action("grep", ("Falcon",)), observation + "total of their last numbers: 80036\n"))
+    second = [a.text for a in actions.candidates(state, map_k=0)]
+    assert "FINAL(80036)" in second and "FINAL(1)" in second and "FINAL(3343)" not in second
+    assert 'grep("Falcon")' not in second and "peek(3193, 3533)" in second
+    assert not any(t.startswith("map") for t in second)
+    code = actions.Action("grep", ('x") + os.system("id',)).code()
+    assert code == "_hits = grep(re.escape('x\") + os.system(\"id'))"  # arguments are quoted, never spliced
+
+
+def test_answer_matching() -> None:
+    assert answer_matches(" 1,234 units", "1234") and not answer_matches("12345", "1234")
+    assert answer_matches("Oslo.", "oslo") and not answer_matches("", "7")
+
+
+def test_rlm_on_a_tiny_model_emits_a_complete_trace(tiny) -> None:
+    params = build_params(
+        RLM.Params, {"task": "count", "context_tokens": 2000, "max_iterations": 3, "max_sub_calls": 4}
+    )
+    prompt_ids = tiny.encode("How many?", chat=False)
+    events = list(RLM.run(tiny, prompt_ids, params, make_generator(0, tiny.device)))
+    context = events[0]
+    assert isinstance(context, RlmContext) and context.expected and context.context_chars > 5000
+    calls = [e for e in events if isinstance(e, ReplCall)]
+    roots = [c for c in calls if c.role == "root"]
+    assert 1 <= len(roots) <= 3 and all(c.alternatives and len(c.scores) == len(c.alternatives) for c in roots)
+    by_id = {c.call_id: c for c in calls}
+    assert all(by_id[c.parent_id].depth == c.depth - 1 for c in calls if c.role == "sub")
+    result = next(e for e in events if isinstance(e, RlmResult))
+    tokens = [e for e in events if isinstance(e, TokenEmitted)]
+    assert "".join(t.text for t in tokens) == result.answer[: len("".join(t.text for t in tokens))]
+    assert isinstance(events[-1], RunFinished) and events[-1].step == len(tokens)
+    trace = Trace("rlm", "tiny", "How many?", {}, events)
+    assert from_json(to_json(trace)).events == events
+
+
+def test_pasted_context_and_bad_input(tiny) -> None:
+    prompt_ids = tiny.encode("Who?", chat=False)
+    pasted = build_params(RLM.Params, {"task": "pasted", "context_text": "Ada wrote it.\n" * 50, "max_iterations": 1})
+    events = list(RLM.run(tiny, prompt_ids, pasted, make_generator(0, tiny.device)))
+    assert events[0].question == "Who?" and events[0].expected == "" and events[0].task == "pasted"
+    empty = build_params(RLM.Params, {"task": "pasted"})
+    with pytest.raises(InputError):
+        list(RLM.run(tiny, prompt_ids, empty, make_generator(0, tiny.device)))
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("kind, seed", [("needle", 0), ("count", 0), ("sum", 1)])
+def test_embedded_model_completes_tasks_in_action_mode(embedded, kind: str, seed: int) -> None:
+    params = build_params(RLM.Params, {"task": kind, "context_tokens": 20_000, "task_seed": seed})
+    prompt_ids = embedded.encode("unused: the task's own question is asked")
+    events = list(RLM.run(embedded, prompt_ids, params, make_generator(0, embedded.device)))
+    result = next(e for e in events if isinstance(e, RlmResult))
+    assert result.stop == "final" and result.correct, [e.action for e in events if isinstance(e, ReplCall)]
+    assert events[0].context_tokens > 15_000  # far beyond what the root ever saw
+    prompts = [e.prompt_tokens for e in events if isinstance(e, ReplCall) and e.role == "root"]
+    assert max(prompts) < 2_500
+
+
+def test_code_mode_runs_repl_blocks_sub_calls_and_final_var(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Code mode's plumbing with a scripted root (the tiny model cannot write code): ```repl blocks run in the
+    sandbox, llm_query reaches the sub-model, output returns to the root, FINAL_VAR reads a REPL variable."""
+    from lab.rlm import loop
+
+    script = iter(
+        [
+            "```repl\nwhile True:\n    pass\n```",
+            "```repl\npart = context[0:40]\nnote = llm_query('Summarize', part)\nprint(len(context))\n```",
+            "Done: FINAL_VAR(note)",
+        ]
+    )
+    real_generate = loop.lm.generate
+    seen_prompts = []
+
+    def scripted(loaded, ids, max_new_tokens, stop=None):
+        text = loaded.decode(ids)
+        if "REPL environment" in text:  # a root turn
+            seen_prompts.append(text)
+            return lm.Generation(next(script), len(ids), 10, 1)
+        return real_generate(loaded, ids, 4)
+
+    monkeypatch.setattr(loop.lm, "generate", scripted)
+    monkeypatch.setattr(loop.lm, "window", lambda loaded: 8192)  # the byte-level prompts outgrow the tiny 512
+    monkeypatch.setattr("strategies.rlm.code_mode_refusal", lambda: None)
+    params = build_params(RLM.Params, {"mode": "code", "task": "pasted", "context_text": "abc " * 500,
+                                       "cell_timeout_s": 1.0})  # fmt: skip
+    events = list(RLM.run(tiny, tiny.encode("What is it?", chat=False), params, make_generator(0, tiny.device)))
+    roots = [e for e in events if isinstance(e, ReplCall) and e.role == "root"]
+    subs = [e for e in events if isinstance(e, ReplCall) and e.role == "sub"]
+    assert len(roots) == 3 and len(subs) == 1 and subs[0].parent_id == roots[1].call_id
+    assert "timed out" in roots[0].error  # the REPL was restarted; the run went on
+    assert subs[0].ranges == [[0, 40]] and roots[1].output.strip() == "2000"
+    assert "abc " * 60 not in seen_prompts[0] and "2000 characters" in seen_prompts[0]  # a prefix, never the whole
+    assert "REPL output:\n2000" in seen_prompts[2]
+    result = next(e for e in events if isinstance(e, RlmResult))
+    assert result.stop == "final" and result.answer == subs[0].output[: len(result.answer)]
