@@ -28,6 +28,7 @@ Not covered: EAGLE-3, batching, stochastic (sampled) draft trees.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -86,7 +87,7 @@ class Candidates:
         self.parents.append(parent)
         self.depths.append(0 if parent < 0 else self.depths[parent] + 1)
         self.scores.append(logq + (self.scores[parent] if parent >= 0 else 0.0))
-        self.q.append(float(torch.tensor(logq).exp()))
+        self.q.append(math.exp(logq))
         self.ranks.append(rank)
         self.expanded.append(False)
 

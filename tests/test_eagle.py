@@ -263,3 +263,20 @@ def test_embedded_greedy_eagle_equals_greedy(embedded) -> None:
         assert tokens_of(events) == greedy_tokens(embedded, ids, EMBEDDED_TOKENS), text
         taus.append(summarize(events).mean_accepted_length)
     assert sum(taus) / len(taus) > 2.0  # the shipped head really drafts (tau ~3 on these prompts)
+
+
+def test_tuning_replays_smaller_trees_from_one_big_run(tiny_trained) -> None:
+    from lab.heads.eagle_tune import rounds_of, tau_for
+
+    loaded, stem, _ = tiny_trained
+    tensors, _ = load_heads("eagle", loaded, str(stem))
+    head = build_head(loaded, tensors["vocab"], tensors)
+    prompt = loaded.encode("the quick brown fox")
+    big = run_eagle(loaded, head, prompt, max_new_tokens=40, total_tokens=40, depth=6, branch=4)
+    rounds = rounds_of(big)
+    assert tau_for(rounds, 40, 6) == pytest.approx(summarize(big).mean_accepted_length, abs=1e-3)
+    assert tau_for(rounds, 40, 1) <= tau_for(rounds, 40, 3) <= tau_for(rounds, 40, 6)
+    assert tau_for(rounds, 1, 6) <= tau_for(rounds, 8, 6) <= tau_for(rounds, 40, 6)
+    # a single node per round: accepted iff the big run's first accepted node is the best-scored candidate
+    small = run_eagle(loaded, head, prompt, max_new_tokens=40, total_tokens=1, depth=6, branch=4)
+    assert summarize(small).mean_accepted_length <= 2.0 and tau_for(rounds, 1, 6) <= 2.0

@@ -5,10 +5,13 @@ For every stored sequence the head reads the pairs (f_p + noise, x_{p+1}) causal
 where f_{p+1} is the target's real next feature (after the final norm) and p_{p+1} the target's own
 next-token distribution at p + 1 (its stored top-32, restricted to V_d and renormalised; positions with no mass
 in V_d get no CE). Noise ~ U(-0.1, 0.1) on the input features, as the paper (data augmentation against the
-error accumulation of drafting from its own features). AdamW, linear warm-up then cosine decay to 10%,
-gradient clipping at 0.5 (EAGLE's setting). A batch is whole sequences (right-padded, causal mask) adding up to
+error accumulation of drafting from its own features). The head starts as the identity f_hat_{p+1} = f_p
+(`init_identity`; the paper does not say how it initialises, and from a random layer the first steps only undo
+its output scale). AdamW, linear warm-up then cosine decay to 10%, gradient clipping at 0.5 (EAGLE's setting).
+A batch is whole sequences (right-padded, causal mask) adding up to
 about `batch_size` rows. Sequences with id % 20 == 0 are held out: the log reports their regression loss, CE
 and top-1 / top-5 accuracy (the head's argmax over V_d equals the target's argmax) at the end of every epoch.
+On CPU the head and LM-head products run under bf16 autocast (as Medusa's trainer; losses and updates in fp32).
 Not covered: EAGLE-3's training-time test (unrolling the head on its own predictions), GPU mixed precision.
 """
 
@@ -105,14 +108,17 @@ def group(spans: list, batch_rows: int, generator: torch.Generator | None) -> li
     return groups
 
 
-def losses(head: EagleHead, batch: Batch, noise: float) -> dict[str, torch.Tensor]:
-    """Smooth L1 on features, soft CE on the draft distribution, and the argmax hits, over valid pairs."""
+def losses(head: EagleHead, batch: Batch, noise: float, autocast: bool = False) -> dict[str, torch.Tensor]:
+    """Smooth L1 on features, soft CE on the draft distribution, and the argmax hits, over valid pairs.
+    `autocast`: the head and LM-head products in bf16 on the CPU (losses and updates stay fp32)."""
     features = batch.features
     if noise:
         features = features + (torch.rand_like(features) - 0.5) * 2 * noise
-    predicted = head(features, batch.tokens, batch.positions)  # [B, T, H]
-    reg = F.smooth_l1_loss(predicted, batch.target, reduction="none").mean(-1)  # [B, T]
-    logp = head.logits(predicted).float().log_softmax(-1)  # [B, T, V_d]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        predicted = head(features, batch.tokens, batch.positions)  # [B, T, H]
+        logits = head.logits(predicted)  # [B, T, V_d]
+    reg = F.smooth_l1_loss(predicted.float(), batch.target, reduction="none").mean(-1)  # [B, T]
+    logp = logits.float().log_softmax(-1)  # [B, T, V_d]
     mass = batch.soft_probs.sum(-1)  # [B, T]
     ce = -(batch.soft_probs * logp.gather(-1, batch.soft_ids.clamp_min(0))).sum(-1) / mass.clamp_min(1e-9)
     has_ce = batch.valid & (mass > 0)
@@ -124,6 +130,18 @@ def losses(head: EagleHead, batch: Batch, noise: float) -> dict[str, torch.Tenso
         "top1": (top5[..., 0] == teacher)[batch.valid].float().mean(),
         "top5": (top5 == teacher[..., None]).any(-1)[batch.valid].float().mean(),
     }
+
+
+@torch.no_grad()
+def init_identity(head: EagleHead) -> None:
+    """Start as the identity f_hat_{p+1} = f_p: FC passes the feature through, the layer's output projections
+    (attention o_proj, MLP down_proj) are zero so both residual branches add nothing (like Medusa's W = 0)."""
+    hidden = head.fc.out_features
+    head.fc.weight.zero_()
+    head.fc.weight[:, hidden:] = torch.eye(hidden)
+    head.fc.bias.zero_()
+    head.layer.self_attn.o_proj.weight.zero_()
+    head.layer.mlp.down_proj.weight.zero_()
 
 
 def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -154,6 +172,7 @@ def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[di
     remap = torch.full((loaded.vocab_size,), -1, dtype=torch.long)
     remap[vocab] = torch.arange(vocab.numel())
     head = EagleHead(loaded, vocab).float().train()
+    init_identity(head)
     head._target["lm_weight"] = head._target["lm_weight"].float()
     spans, rows = sequence_spans(data), prepare_rows(data, remap)
     held = [s for s in spans if s[0] % HELD_OUT_EVERY == 0]
@@ -165,6 +184,7 @@ def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[di
     log(f"draft vocabulary {vocab.numel()} ids ({covered:.1%} of response tokens); {len(train_spans)} training "
         f"sequences, {len(held)} held out")  # fmt: skip
     generator = torch.Generator().manual_seed(options.seed)
+    autocast = loaded.device.type == "cpu"
     per_epoch = len(group(train_spans, options.batch_size, None))
     steps = max(1, math.ceil(options.epochs * per_epoch))
     optimizer = torch.optim.AdamW(head.parameters(), lr=options.lr, weight_decay=0.0)
@@ -175,7 +195,7 @@ def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[di
                 break
             for group_ in optimizer.param_groups:
                 group_["lr"] = learning_rate(step, steps, options.lr, warmup=max(steps // 20, 1))
-            parts = losses(head, make_batch(data, rows, spans), NOISE)
+            parts = losses(head, make_batch(data, rows, spans), NOISE, autocast)
             loss = FEATURE_WEIGHT * parts["reg"] + CE_WEIGHT * parts["ce"]
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
