@@ -267,7 +267,8 @@ class TreeRound:
     reached a leaf, "recovered" when it stopped early: the target's argmax / residual draw). `emitted` is how many
     tokens the round added to the output (accepted + next, fewer when EOS or the budget cut it): the mean of
     `emitted` over rounds is the mean accepted length tau (bonus included). `head_top_*[k]` are the top tokens of
-    draft position k's marginal at this round (heatmap rows). mode: greedy | typical | sample."""
+    draft position k's marginal at this round (heatmap rows). mode: greedy | typical | sample.
+    draft_s: seconds spent drafting the tree; verify_s: seconds of the verify forward (tree mask included)."""
 
     step: int
     method: str
@@ -414,9 +415,10 @@ class PipelineSpan:
 @dataclass(frozen=True)
 class SpeculationRound:
     """SSD (Kumar, Dao, May 2026) for one round: while the target verified the round's draft, the drafter thread
-    pre-drafted the next round for guessed outcomes (k accepted, then token t). hit: the actual outcome was in
-    the speculation cache, so the next draft came from it (`cached_tokens` of it; `extended` more drafted on
-    the main thread when the cached branch had been cut short). fanout / planned: per position k = 0..n, the
+    pre-drafted the next round for guessed outcomes (k accepted, then token t). hit: this round's actual outcome
+    was in the speculation cache, so the next round's draft comes from it. cached_tokens / extended: how this
+    round's own draft was made: tokens taken from the cache (the previous round hit) and tokens drafted after
+    them on the main thread (the cached branch had been cut short). fanout / planned: per position k = 0..n, the
     guesses pre-drafted / known (the drafter's top-F candidates). keys_*: the cached outcomes, in drafting
     order; hit_rank is the actual outcome's index there (-1: a miss). alpha: the estimate that ranked them."""
 
