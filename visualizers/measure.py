@@ -143,6 +143,6 @@ def selection_matrix_figure(rows: list[dict], cells: dict[str, tuple[str, str, s
         header={"values": columns, "fill_color": "#e2e8f0", "align": "left", "font": {"size": 12}},
         cells={"values": body, "align": "left", "height": 16 * lines + 10, "font": {"size": 11}},
     )
-    layout = base_layout(title, 110 + (16 * lines + 14) * len(rows))
+    layout = base_layout(title, 140 + (16 * lines + 22) * len(rows))
     layout["margin"] = {"l": 8, "r": 8, "t": 40, "b": 8}
     return go.Figure(table, layout=layout)
