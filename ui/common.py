@@ -52,8 +52,10 @@ COMMON_DEFAULTS = DecodeParams()
 MAX_FIGURES = 6  # plot slots: a strategy's main view first, then its detail views
 VIEW_COUNT = 3 + MAX_FIGURES  # token view, figures, stats, text (`view_updates`)
 MODEL_QUEUE = {"concurrency_id": "model", "concurrency_limit": 1, "time_limit": MAX_RUN_SECONDS + 120}
-# Light work (replay, inspect, learn, history) bypasses the queue, so a full model queue never blocks it.
-LIGHT = {"queue": False, "api_visibility": "private"}
+# Light work (replay, inspect, learn, history) runs queued in its own unlimited group, so it never waits for the
+# model and its errors (gr.Error) still reach the browser as messages (with queue=False gradio 6.31 answers 500
+# and shows no text). It is refused with the queue-full message only when max_size events are already waiting.
+LIGHT = {"concurrency_id": "light", "concurrency_limit": None, "api_visibility": "private"}
 LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "$", "right": "$", "display": False}]
 ALTERNATIVE_HEADERS = ["rank", "token", "p"]
 # A click on a token span (data-step) of a token view sends {step} with the HTML component's click event.
