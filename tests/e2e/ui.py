@@ -1,0 +1,138 @@
+"""Page helpers for the browser tests: every selector the tests use lives here.
+
+Components are found by the stable element ids documented at the top of app.py (`#run-button`, `#main-plot`,
+`#replay-token-view`, ...). A plot is read from plotly's own graph div (`gd.data`), so a check sees what the
+browser drew, not what the server sent.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from playwright.sync_api import Locator, Page
+
+RUN_TIMEOUT_S = 240
+
+# Fingerprint of the plotly figure inside the element `#id` (null when no figure is drawn yet).
+_PLOT_SIGNATURE_JS = """
+(id) => {
+  const gd = document.querySelector('#' + id + ' .js-plotly-plot');
+  if (!gd || !gd.data) return null;
+  const title = gd.layout && gd.layout.title ? (gd.layout.title.text || '') : '';
+  return title + '|' + JSON.stringify(gd.data);
+}
+"""
+
+_RECORD_JS = f"""
+(id) => {{
+  const signature = {_PLOT_SIGNATURE_JS};
+  window.__plotStates = [];
+  clearInterval(window.__plotTimer);
+  window.__plotTimer = setInterval(() => {{
+    const s = signature(id);
+    const states = window.__plotStates;
+    if (s !== null && (states.length === 0 || states[states.length - 1] !== s)) states.push(s);
+  }}, 40);
+}}
+"""
+
+_PLOT_DATA_JS = """
+(id) => {
+  const gd = document.querySelector('#' + id + ' .js-plotly-plot');
+  if (!gd || !gd.data) return null;
+  return {title: gd.layout && gd.layout.title ? (gd.layout.title.text || '') : '',
+          traces: gd.data.map(t => ({type: t.type || 'scatter', name: t.name || '',
+                                    x: Array.from(t.x || []), y: Array.from(t.y || [])}))};
+}
+"""
+
+
+def tab(page: Page, name: str) -> None:
+    page.get_by_role("tab", name=name, exact=True).click()
+
+
+def choose(page: Page, elem_id: str, option: re.Pattern | str) -> None:
+    """Pick an option of the Gradio dropdown `#elem_id`."""
+    page.locator(f"#{elem_id} input").click()
+    page.get_by_role("option", name=option).first.click()
+
+
+def dropdown_value(page: Page, elem_id: str) -> str:
+    return page.locator(f"#{elem_id} input").input_value()
+
+
+def set_number(page: Page, elem_id: str, value: int) -> None:
+    """Type a value into the number box of a slider or number field `#elem_id` and commit it."""
+    box = page.locator(f"#{elem_id} input[type=number]")
+    box.fill(str(value))
+    box.press("Enter")
+
+
+def prompt_box(page: Page) -> Locator:
+    return page.locator("#prompt textarea")
+
+
+def output_text(page: Page, prefix: str = "") -> str:
+    return page.locator(f"#{prefix}text textarea").input_value()
+
+
+def button(page: Page, elem_id: str) -> Locator:
+    return page.locator(f"#{elem_id}")
+
+
+def trace_file_name(page: Page) -> str | None:
+    """The name of the trace file offered for download (a new name appears only when a run ends)."""
+    link = page.locator('#trace-file a[data-testid="download-link"]')
+    return link.first.get_attribute("download") if link.count() else None
+
+
+def token_spans(page: Page, prefix: str = "") -> Locator:
+    return page.locator(f"#{prefix}token-view span.dl-token")
+
+
+def start_recording_plot(page: Page, elem_id: str) -> None:
+    page.evaluate(_RECORD_JS, elem_id)
+
+
+def recorded_plot_states(page: Page) -> list[str]:
+    return page.evaluate("() => { clearInterval(window.__plotTimer); return window.__plotStates || []; }")
+
+
+def plot_data(page: Page, elem_id: str) -> dict | None:
+    return page.evaluate(_PLOT_DATA_JS, elem_id)
+
+
+def table_rows(page: Page, elem_id: str) -> list[list[str]]:
+    """Body cells of the Gradio Dataframe `#elem_id` (a virtual grid of role=row / gridcell divs), as text."""
+    return page.evaluate(
+        """(id) => Array.from(document.querySelectorAll('#' + id + ' [role=row]'))
+               .sort((a, b) => Number(a.getAttribute('aria-rowindex')) - Number(b.getAttribute('aria-rowindex')))
+               .map(row => Array.from(row.querySelectorAll('[role=gridcell]')).map(c => c.innerText.trim()))
+               .filter(cells => cells.some(c => c !== ''))""",
+        elem_id,
+    )
+
+
+def wait_until(predicate, what: str, timeout_s: float = RUN_TIMEOUT_S, page: Page | None = None):
+    """Poll `predicate()` until it returns a truthy value; fail with `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if page is not None:
+            page.wait_for_timeout(150)
+        else:
+            time.sleep(0.15)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def wait_for_new_trace(page: Page, previous: str | None, timeout_s: float = RUN_TIMEOUT_S) -> str:
+    """Wait until the run in flight ends: its final update offers a new trace file."""
+
+    def new_name():
+        name = trace_file_name(page)
+        return name if name and name != previous else None
+
+    return wait_until(new_name, "the run to finish (a new trace file)", timeout_s, page)
