@@ -234,6 +234,8 @@ def test_eval_rows_on_a_tiny_model(tiny):
     assert rows["ToT (solver value)"]["solved"] <= 1  # 1 1 1 1 has no solution
     assert result.compared > 0 and "agrees on" in format_table(result)
     assert result.as_dict()["value_vs_solver"]["compared"] == result.compared
+    without_cot = run_eval(tiny, [[4, 9, 10, 13]], SearchConfig(k=2, breadth=1), seed=0, cot=False)
+    assert {r.method for r in without_cot.runs} == {"tot-model", "tot-solver"}
 
 
 def test_eval_cli_rejects_bad_options_before_loading(capsys):

@@ -158,9 +158,14 @@ def run_cot(loaded: LoadedModel, numbers: list[int], samples: int, seed: int) ->
 
 
 def run_eval(
-    loaded: LoadedModel, puzzles: list[list[int]], config: SearchConfig, seed: int, progress: Progress | None = None
+    loaded: LoadedModel,
+    puzzles: list[list[int]],
+    config: SearchConfig,
+    seed: int,
+    progress: Progress | None = None,
+    cot: bool = True,
 ) -> EvalResult:
-    """Every row on every puzzle (see the module docstring)."""
+    """Every row on every puzzle (see the module docstring); `cot=False` skips the chain-of-thought row."""
     config_dict = {"puzzles": len(puzzles), "seed": seed, "model": loaded.spec, "dtype": str(loaded.dtype)}
     config_dict.update(dataclasses.asdict(config), cot_tokens=COT_TOKENS, cot_temperature=COT_TEMPERATURE)
     result = EvalResult(config_dict, [])
@@ -169,8 +174,9 @@ def run_eval(
             progress(index, len(puzzles), " ".join(map(str, numbers)))
         model_run, nodes = run_tot(loaded, numbers, dataclasses.replace(config, value="model"), seed + index)
         solver_run, _ = run_tot(loaded, numbers, dataclasses.replace(config, value="solver"), seed + index)
-        cot_run = run_cot(loaded, numbers, model_run.model_calls, seed + index)
-        result.runs += [model_run, solver_run, cot_run]
+        result.runs += [model_run, solver_run]
+        if cot:
+            result.runs.append(run_cot(loaded, numbers, model_run.model_calls, seed + index))
         judged = {n.text: n for n in nodes if n.judgment and n.solver_value is not None}  # one per state
         result.judged += [(n.value, n.solver_value) for n in judged.values()]
         result.agree += sum((n.judgment != "impossible") == (n.solver_value == 1.0) for n in judged.values())
@@ -232,7 +238,7 @@ def cmd_eval_tot(args: argparse.Namespace) -> int:
     def progress(done: int, total: int, message: str) -> None:
         print(f"[{done + 1}/{total}] {message} ...", file=sys.stderr, flush=True)
 
-    result = run_eval(loaded, puzzles[:limit], config, seed, progress)
+    result = run_eval(loaded, puzzles[:limit], config, seed, progress, cot=not args.skip_cot)
     print(json.dumps(result.as_dict(), indent=2) if args.json else format_table(result))
     return 0
 
@@ -243,6 +249,7 @@ def register(commands: argparse._SubParsersAction, evaluations: argparse._SubPar
     parser.add_argument("--limit", default=None, help="use only the first N of the 20 puzzles")
     parser.add_argument("--k", default=str(SearchConfig.k), help="thoughts per state (default 8)")
     parser.add_argument("--breadth", default=str(SearchConfig.breadth), help="b, states kept per step (default 5)")
+    parser.add_argument("--skip-cot", action="store_true", help="leave out the chain-of-thought row (the slowest)")
     parser.add_argument("--json", action="store_true", help="print {config, rows, value_vs_solver, runs} as JSON")
     add_model_options(parser)
     parser.set_defaults(handler=cmd_eval_tot)

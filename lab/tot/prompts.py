@@ -8,6 +8,8 @@ next-word probabilities:
   query ends right before the verdict ("4 4 10:"), so p(sure / likely / impossible) is read from one forward
   instead of sampling three reasoned completions.
 - Vote prompts end with "The best choice is" (no written analysis) and the vote is read from p(" 1" ... " k").
+- Creative writing asks for "a short plan, one line per paragraph, then the passage" instead of the paper's
+  "Plan: Your plan here. Passage: Your passage here." template, which the 135M model copies verbatim.
 - Free-form questions use a one-sentence-per-line format ending with "Answer: ..." (not in the paper).
 The Game of 24 propose and chain-of-thought examples are the paper's (one typo fixed); no evaluation puzzle of
 lab/tot/puzzles.json appears in them.
@@ -81,13 +83,7 @@ be: {sentences}
 """
 CREATIVE_TOPIC = "Write a coherent passage of a few short paragraphs about: {topic}\n"
 CREATIVE_FORMAT = """
-Make a plan then write. Your output should be of the following format:
-
-Plan:
-Your plan here.
-
-Passage:
-Your passage here.
+First write a short plan, one line per paragraph. Then write the passage.
 
 Plan:
 """
