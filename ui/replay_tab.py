@@ -84,12 +84,14 @@ def on_play(value: dict | None, frame: float) -> list:
 
 
 def on_tick(value: dict | None, frame: float) -> list:
-    """Advance one step and render it; stop the timer at the end."""
+    """Advance one step and render it; stop the timer at the end. It never switches the timer on: a tick that
+    runs while Pause is pressed would otherwise restart playback."""
     if not value:
         return [gr.Timer(active=False), gr.skip(), *[gr.skip()] * VIEW_COUNT]
     last = replay.frame_count(value["trace"])
     nxt = min(int(frame or 0) + 1, last)
-    return [gr.Timer(active=nxt < last), nxt, *frame_outputs(value["trace"], nxt)]
+    timer = gr.Timer(active=False) if nxt >= last else gr.skip()
+    return [timer, nxt, *frame_outputs(value["trace"], nxt)]
 
 
 def build_replay_tab() -> dict:

@@ -7,6 +7,8 @@ draft-round view is replayed round by round.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from lab.trace import TokenEmitted, from_json
@@ -62,3 +64,41 @@ def test_a_hostile_trace_upload_gets_a_clear_message(page, example, artifacts):
     page.locator("#trace-upload input[type=file]").set_input_files(str(hostile))
     ui.wait_until(lambda: page.get_by_text("Cannot replay this file").count(), "the refusal message", 30, page)
     assert replayed_tokens(page) == before, "a refused file must leave the replay as it was"
+
+
+def wait_until_stable(page, read, quiet_ms: int, timeout_s: float = 30):
+    """The value of `read()` once it has not changed for `quiet_ms`."""
+    value, since, start = read(), time.monotonic(), time.monotonic()
+    while time.monotonic() - since < quiet_ms / 1000:
+        assert time.monotonic() - start < timeout_s, "the value never settled"
+        page.wait_for_timeout(100)
+        current = read()
+        if current != value:
+            value, since = current, time.monotonic()
+    return value
+
+
+def test_replay_an_uploaded_trace_with_play_and_pause(page, example, screenshot):
+    trace, total = example
+    assert total >= 8, "the example trace is too short to play and pause"
+    page.reload()  # a fresh session: the upload box of the earlier tests still holds their file
+    page.get_by_label("Prompt", exact=True).wait_for()
+    ui.tab(page, "Replay")
+    page.locator("#trace-upload input[type=file]").set_input_files(str(EXAMPLE))
+    ui.wait_until(lambda: "Uploaded trace" in page.locator("#replay-status").inner_text(), "the upload", 60, page)
+    assert trace.strategy in page.locator("#replay-status").inner_text()
+    ui.wait_until(lambda: replayed_tokens(page) == total, "the whole trace", 30, page)
+    assert ui.output_text(page, "replay-") == trace.text
+    figure = ui.wait_until(lambda: ui.plot_data(page, "replay-main-plot"), "the replayed main view", 30, page)
+    assert figure["title"].startswith("Draft rounds")
+
+    ui.start_recording_plot(page, "replay-main-plot")
+    ui.button(page, "replay-play").click()  # at the end: plays again from step 0
+    ui.wait_until(lambda: 0 < replayed_tokens(page) < total // 2, "playback to restart and move", 60, page)
+    ui.button(page, "replay-pause").click()
+    paused = wait_until_stable(page, lambda: replayed_tokens(page), quiet_ms=2500)
+    assert paused < total, "playback kept going after Pause"
+    assert len(ui.recorded_plot_states(page)) >= 2, "the replayed plot did not move step by step"
+    screenshot(page, "06-replay")
+    ui.button(page, "replay-play").click()
+    ui.wait_until(lambda: replayed_tokens(page) == total, "playback to resume to the end", 120, page)
