@@ -10,8 +10,8 @@ absolute value with the parent operation flipped (tested: the solver finds the k
 among the 1820 multisets of 1..13, and agrees with an unrestricted brute force).
 `solve` is exact (depth-first over legal moves, memoized on the sorted state). `check_expression` verifies a
 free-text answer ("(13 - 9) * (10 - 4) = 24") with an AST walk: only + - * / on integer literals, every puzzle
-number used exactly once, value exactly 24. Not covered: other targets than 24 (the constant is a parameter of
-no public function), exponentiation or concatenation of digits.
+number used exactly once, value exactly 24. Not covered: targets other than 24 (TARGET is a module constant),
+exponentiation, concatenation of digits.
 """
 
 from __future__ import annotations

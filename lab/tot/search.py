@@ -6,10 +6,13 @@ answer is the best terminal or frontier state (a verified solution first).
 DFS: expand the most promising state first; a child with V(s') < prune_below is pruned (the paper's
 V > v_th, with >= so that 0 keeps everything), kept children are explored best first, backtracking when a
 subtree is exhausted; it stops at the first solution or after `max_expansions` expansions.
-Value modes: model (one value prompt per distinct state, cached by state as the paper does; on Game of 24 the
-exact solver is also consulted, without a model call, to count agreement), vote (one vote prompt over the
-candidates of a step, n votes sampled from it), solver (exact solvability, Game of 24 only). Terminal Game of
-24 states are always checked exactly.
+Value modes: model (one value prompt per distinct state, cached by state as the paper does, the prompts of a
+step's candidates scored together in one tree forward; on Game of 24 the exact solver is also consulted,
+without a model call, to count agreement), vote (one vote prompt over the candidates of a step, n votes sampled
+from it), solver (exact solvability, Game of 24 only). Terminal Game of 24 states are always checked exactly.
+The thoughts of every BFS frontier state are proposed together too (one forward for Game of 24).
+Deliberate differences: siblings with the same text are merged (free-text tasks), and ties in value keep the
+proposal order (for Game of 24, the order of the Gumbel top-k draw).
 Not covered: the paper's crossword task, its value sampling with written reasoning (see lab.tot.prompts), and
 pruning by a learned heuristic.
 """
