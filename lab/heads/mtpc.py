@@ -27,25 +27,30 @@ from torch.nn import functional as F
 from lab.heads.medusa import DraftTree, Path, residual_blocks
 
 
-def mtpc_logits(h: torch.Tensor, t: dict[str, torch.Tensor], lm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log pi [N, r], logits [N, K + 1, r, V_d]) of the circuit's leaves for hidden states h [N, H]."""
+def mtpc_logits(
+    h: torch.Tensor, t: dict[str, torch.Tensor], lm: torch.Tensor, corrections: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi [N, r], logits [N, K + 1, r, V_d]) of the circuit's leaves for hidden states h [N, H].
+    `corrections` = W_lm B_kz ([K + 1, r, V_d, rho]) when precomputed (inference), else computed here."""
     u = torch.cat([h[:, None], residual_blocks(h, t["blocks.weight"], t["blocks.bias"])], dim=1)  # [N, K + 1, H]
     s = F.silu(torch.einsum("nkh,kzrh->nkzr", u, t["adapters.down"]))  # [N, K + 1, r, rho]
-    corrections = torch.einsum("vh,kzhr->kzvr", lm, t["adapters.up"])  # [K + 1, r, V_d, rho]
+    if corrections is None:
+        corrections = torch.einsum("vh,kzhr->kzvr", lm, t["adapters.up"])  # [K + 1, r, V_d, rho]
     logits = (u @ lm.T)[:, :, None, :] + torch.einsum("nkzr,kzvr->nkzv", s, corrections)
     log_pi = torch.log_softmax(h @ t["mix.weight"].T + t["mix.bias"], dim=-1)
     return log_pi, logits
 
 
 def init_tensors(heads: int, components: int, rank: int, hidden: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Zero blocks and up-projections (every component starts as the LM head), random down-projections and
-    mixture weights (they break the symmetry between components)."""
+    """Zero blocks (every position starts as the LM head), random down-projections, small random up-projections
+    (components start slightly apart: KL about 0.1 nat between two of them on the embedded model) and near-zero
+    mixture weights (pi about uniform); without the random up-projections the components stay identical."""
     generator = torch.Generator().manual_seed(seed)
     return {
         "blocks.weight": torch.zeros(heads, hidden, hidden),
         "blocks.bias": torch.zeros(heads, hidden),
         "adapters.down": torch.randn(heads + 1, components, rank, hidden, generator=generator) / hidden**0.5,
-        "adapters.up": torch.zeros(heads + 1, components, hidden, rank),
+        "adapters.up": torch.randn(heads + 1, components, hidden, rank, generator=generator) * 0.03,
         "mix.weight": torch.randn(components, hidden, generator=generator) * 0.01,
         "mix.bias": torch.zeros(components),
     }
@@ -62,6 +67,8 @@ class MTPCHeads:
 
     def __post_init__(self) -> None:
         self.remap = {int(v): i for i, v in enumerate(self.vocab.tolist())}
+        with torch.inference_mode():  # W_lm B_kz once, so a round costs one [V_d, rho] product per component
+            self.corrections = torch.einsum("vh,kzhr->kzvr", self.lm_weight, self.tensors["adapters.up"])
 
     @property
     def num_heads(self) -> int:
@@ -82,7 +89,7 @@ class MTPCHeads:
     @torch.inference_mode()
     def leaves(self, h: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(log pi [r], log p_{k,z} [K + 1, r, V_d]) at hidden state h [H]; logits scaled by 1 / temperature."""
-        log_pi, logits = mtpc_logits(h.float()[None], self.tensors, self.lm_weight)
+        log_pi, logits = mtpc_logits(h.float()[None], self.tensors, self.lm_weight, self.corrections)
         return log_pi[0], torch.log_softmax(logits[0] / temperature, dim=-1)
 
 

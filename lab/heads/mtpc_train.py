@@ -9,6 +9,9 @@ q_k = sum_z pi_z p_{k,z} the circuit's marginal. Same data, vocabulary, optimise
 `lab.heads.medusa_train` (shared helpers). The held-out log reports both the marginal top-1 (what independent
 heads can reach) and the conditional top-1 given the true prefix and root, q_k(. | y_0..y_{k-1}) (what the joint
 adds); the conditional rank accuracies give the candidate tree.
+Warm start: when this model's Medusa heads exist (`heads/<model>/medusa.*`, same K and draft vocabulary), the
+per-position blocks W_k, b_k start from them (logged and recorded as `warm_start` in the config), so MTPC training
+adds the mixture on top of Medusa's training instead of repeating it (a CPU-time saving; train Medusa first).
 Not covered: EM training, HMM-style circuits, components with separate LM-head copies.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from lab.distill.dataset import DistillData
+from lab.heads.common import find_heads, load_heads
 from lab.heads.medusa import tune_choices
 from lab.heads.medusa_train import (
     DECAY,
@@ -32,6 +36,7 @@ from lab.heads.medusa_train import (
 )
 from lab.heads.mtpc import init_tensors, mtpc_logits
 from lab.models import LoadedModel
+from lab.params import InputError
 
 RANK = 32  # rho, rank of the per-(k, z) adapters
 EVAL_CHUNK = 128
@@ -70,6 +75,25 @@ def circuit_distributions(log_pi: torch.Tensor, logits: torch.Tensor, hard: torc
     return marginal, conditional
 
 
+def warm_start(loaded: LoadedModel, tensors: dict, vocab: torch.Tensor, log: Log) -> str | None:
+    """Copy the per-position blocks W_k, b_k from this model's Medusa heads (same K and V_d), if there are any."""
+    try:
+        medusa, _ = load_heads("medusa", loaded)
+    except InputError:
+        log("no Medusa heads to warm-start from: the per-position blocks start at zero")
+        return None
+    weight = tensors["blocks.weight"]
+    if medusa["blocks.weight"].shape != weight.shape or not torch.equal(medusa["vocab"].cpu(), vocab):
+        log("the Medusa heads differ in K or draft vocabulary: no warm start")
+        return None
+    with torch.no_grad():
+        weight.copy_(medusa["blocks.weight"].cpu())
+        tensors["blocks.bias"].copy_(medusa["blocks.bias"].cpu())
+    source = str(find_heads("medusa", loaded))
+    log(f"warm start: per-position blocks from {source}")
+    return source
+
+
 def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[dict, dict]:
     """Train a K-position, r-component circuit; returns (tensors, config) for `save_heads`."""
     heads, hidden = options.heads, int(loaded.config.hidden_size)
@@ -77,6 +101,7 @@ def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[di
     lm = loaded.lm_head.weight.detach().float().cpu()[vocab]  # [V_d, H] frozen
     targets = build_targets(data, vocab, heads, loaded.vocab_size)
     tensors = {name: t.requires_grad_() for name, t in init_tensors(heads, options.components, RANK, hidden).items()}
+    source = warm_start(loaded, tensors, vocab, log)
     valid = targets.soft_probs[:, 1:].sum(-1) > 0  # [N, K]
     train_rows = subsample(targets.rows[~targets.held_out & valid[:, 0]], options.tokens, options.seed)
     held = targets.rows[targets.held_out][:2048]
@@ -117,6 +142,7 @@ def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[di
     choices = tune_choices(accuracy, TREE_PATHS)
     saved = {name: t.detach() for name, t in tensors.items()} | {"vocab": vocab}
     config = {"heads": heads, "components": options.components, "rank": RANK, "draft_vocab": int(vocab.numel())}
+    config["warm_start"] = source
     return saved, {**config, "choices": [list(p) for p in choices], "rank_accuracy": accuracy}
 
 
