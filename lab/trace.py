@@ -181,6 +181,75 @@ class DraftRound:
     verify_s: float = 0.0
 
 
+# --- system 2 detail events (Tree of Thoughts) ---
+
+
+@event_kind
+@dataclass(frozen=True)
+class ThoughtNode:
+    """One node of a Tree of Thoughts search (Yao et al. 2023, Alg. 1 / 2), emitted once its fate is known.
+    `text` is the thought itself (the root's is the task input); `value` is V(p_theta, s) in [0, 1] from
+    `value_source`: model (sum_w p(w) v(w) / 20 over w = sure / likely / impossible with the paper's
+    v = 20 / 1 / 0.001, p renormalized over the three words; `judgment` = its argmax), vote (share of the
+    n sampled votes), solver (1 if the state can still reach the goal, exact), or exact (a terminal state checked
+    programmatically). `solver_value` is the exact solver's verdict where the task has one (Game of 24), also
+    when the model judged, so views can show agreement. status: kept (selected / explored), pruned, solution
+    (a terminal thought the task accepts: reaches 24, or a kept final answer of a task without a verifier).
+    `logprob` is log p(thought | constraint) of a constrained proposal (Game of 24's legal moves).
+    model_calls / tokens are the run's totals when the node was emitted."""
+
+    step: int  # BFS step (= depth) or DFS expansion index
+    node_id: int
+    parent: int  # -1 for the root
+    depth: int
+    text: str
+    value: float | None
+    status: str  # kept | pruned | solution
+    model_calls: int
+    tokens: int
+    value_source: str = ""  # model | vote | solver | exact | "" (root)
+    judgment: str = ""
+    solver_value: float | None = None
+    logprob: float | None = None
+
+
+@event_kind
+@dataclass(frozen=True)
+class ThoughtStep:
+    """The frontier after one search step: the b states BFS kept, or the DFS stack after an expansion
+    (top last). `candidates` = thoughts generated and evaluated in this step."""
+
+    step: int
+    search: str  # bfs | dfs
+    frontier: list[int]
+    candidates: int
+    model_calls: int
+    tokens: int
+
+
+@event_kind
+@dataclass(frozen=True)
+class ThoughtResult:
+    """The search's answer: the root-to-answer path of node ids, whether it is verified correct (None when
+    the task has no verifier), the answer text, the run's model calls / tokens / forwards, value calls, and
+    how often the model's sure-or-likely vs impossible verdict agreed with the exact solver (agree of
+    compared; 0 of 0 without model values on Game of 24)."""
+
+    step: int
+    task: str
+    search: str
+    value_source: str
+    path: list[int]
+    solved: bool | None
+    answer: str
+    model_calls: int
+    tokens: int
+    forwards: int
+    value_calls: int
+    agree: int = 0
+    compared: int = 0
+
+
 # --- multi-token heads detail events (Medusa, MTPC; EAGLE reuses TreeRound) ---
 
 
@@ -198,7 +267,8 @@ class TreeRound:
     reached a leaf, "recovered" when it stopped early: the target's argmax / residual draw). `emitted` is how many
     tokens the round added to the output (accepted + next, fewer when EOS or the budget cut it): the mean of
     `emitted` over rounds is the mean accepted length tau (bonus included). `head_top_*[k]` are the top tokens of
-    draft position k's marginal at this round (heatmap rows). mode: greedy | typical | sample."""
+    draft position k's marginal at this round (heatmap rows). mode: greedy | typical | sample.
+    draft_s: seconds spent drafting the tree; verify_s: seconds of the verify forward (tree mask included)."""
 
     step: int
     method: str
@@ -252,6 +322,170 @@ def _tree_stats(events: list[Event]) -> tuple[float | None, float | None]:
     accepted = sum(len(r.accepted) for r in rounds)
     examined = accepted + sum(r.next_source == "recovered" for r in rounds)
     return (round(accepted / examined, 4) if examined else None), round(sum(r.emitted for r in rounds) / len(rounds), 4)
+
+
+# --- system 2 detail events (RLM) ---
+
+
+@event_kind
+@dataclass(frozen=True)
+class RlmContext:
+    """What an RLM run works on (Zhang, Kraska, Khattab 2025): the question, the context's size (it lives in the
+    sandboxed REPL, never in a prompt), the task that generated it ("pasted" for user text) with its known answer
+    ("" when unknown), the mode (action = constrained grammar, code = free-form ```repl code) and the sandbox's
+    isolation level (full | basic)."""
+
+    step: int
+    question: str
+    task: str
+    expected: str
+    context_chars: int
+    context_tokens: int
+    prefix: str
+    mode: str
+    isolation: str
+
+
+@event_kind
+@dataclass(frozen=True)
+class ReplCall:
+    """One node of the RLM call tree. role "root": one root-model turn (its code or chosen action, the REPL
+    output it got back, truncated, or the error); role "sub": one llm_query(prompt, text) served by the parent
+    (depth >= 1; `code` holds the sub-prompt, `output` the answer). ranges: [start, end) character ranges of the
+    context this call read. tokens: prompt + generated tokens of the model call(s) this node made. In action
+    mode, `alternatives` / `scores` are the grammar's candidate actions and their log-probabilities under the
+    grammar (log-softmax over the allowed next tokens only, summed over the action's tokens)."""
+
+    step: int
+    call_id: int
+    parent_id: int  # -1 for root turns
+    depth: int
+    role: str  # root | sub
+    code: str
+    action: str
+    ranges: list[list[int]]
+    output: str
+    error: str
+    prompt_tokens: int
+    output_tokens: int
+    latency_s: float
+    final: str | None = None
+    alternatives: list[str] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+
+
+@event_kind
+@dataclass(frozen=True)
+class RlmResult:
+    """The RLM run's answer and why it stopped (final | max_iterations | token_budget | error), with totals over
+    every model call (root and sub), and whether the answer matches the task's known answer (None if unknown)."""
+
+    step: int
+    answer: str
+    correct: bool | None
+    stop: str
+    root_calls: int
+    sub_calls: int
+    tokens: int
+    context_chars_read: int
+
+
+# --- speculative detail events (SSD) ---
+
+
+@event_kind
+@dataclass(frozen=True)
+class PipelineSpan:
+    """A timed piece of work of a speculative round, in seconds since the run started. who: target (its verify
+    forward, or the main thread waiting for the drafter thread to stop: what = wait) or drafter; thread: main
+    or worker (SSD's drafter thread). what: draft (the round's draft, drafted on the main thread), extend
+    (drafting the rest of a cached draft that was cut short), verify, wait, probe (SSD: the drafter's guess of
+    the bonus token and the next draft after it), branch (SSD: the next draft for a guessed outcome)."""
+
+    step: int  # the round
+    who: str  # target | drafter
+    what: str
+    start: float
+    end: float
+    thread: str = "main"  # main | worker
+    detail: str = ""
+
+
+@event_kind
+@dataclass(frozen=True)
+class SpeculationRound:
+    """SSD (Kumar, Dao, May 2026) for one round: while the target verified the round's draft, the drafter thread
+    pre-drafted the next round for guessed outcomes (k accepted, then token t). hit: this round's actual outcome
+    was in the speculation cache, so the next round's draft comes from it. cached_tokens / extended: how this
+    round's own draft was made: tokens taken from the cache (the previous round hit) and tokens drafted after
+    them on the main thread (the cached branch had been cut short). fanout / planned: per position k = 0..n, the
+    guesses pre-drafted / known (the drafter's top-F candidates). keys_*: the cached outcomes, in drafting
+    order; hit_rank is the actual outcome's index there (-1: a miss). alpha: the estimate that ranked them."""
+
+    step: int
+    hit: bool
+    accepted: int
+    token: int | None
+    token_text: str
+    cached_tokens: int
+    extended: int
+    branches: int
+    completed: int
+    fanout: list[int]
+    planned: list[int]
+    keys_k: list[int]
+    keys_tokens: list[int]
+    keys_texts: list[str]
+    hit_rank: int
+    alpha: float
+
+
+def speculation_stats(events: list) -> dict[str, float]:
+    """SSD aggregates (empty without SpeculationRound events): cache hit rate over rounds that needed a next
+    draft, mean branches pre-drafted per round, and the share of the wall time the drafter thread was busy."""
+    rounds = [e for e in events if isinstance(e, SpeculationRound)]
+    if not rounds:
+        return {}
+    worker = sum(s.end - s.start for s in events if isinstance(s, PipelineSpan) and s.thread == "worker")
+    finished = next((e for e in reversed(events) if isinstance(e, RunFinished)), None)
+    needed = rounds[:-1] if finished is not None else rounds  # the last round needs no next draft
+    hits = sum(r.hit for r in needed)
+    return {
+        "ssd_hit_rate": round(hits / len(needed), 4) if needed else 0.0,
+        "ssd_branches_per_round": round(sum(r.branches for r in rounds) / len(rounds), 3),
+        "ssd_drafter_busy": round(worker / finished.wall_s, 4) if finished and finished.wall_s > 0 else 0.0,
+    }
+
+
+# --- speculative detail events (EAGLE) ---
+
+
+@event_kind
+@dataclass(frozen=True)
+class EagleDraft:
+    """How one EAGLE-2 round grew its draft tree (Li et al. 2024, EAGLE-2, Sec. 4): every candidate the head
+    proposed, in creation order (depth 0 = the top-`branch` after the root; each further depth = the top-`branch`
+    children of the `branch` frontier nodes of highest c(x)). Per candidate: token / text, parent (a candidate
+    index, -1 = the root), depth, score c(x) = sum of log q along its path, q(x | parent), rank among its
+    parent's children, expanded (was in a frontier) and kept (its node index in the same step's TreeRound, -1 =
+    cut by the rerank, which keeps the `total_tokens` best c(x)). `threshold` is the lowest kept c(x)."""
+
+    step: int
+    branch: int
+    depth: int
+    total_tokens: int
+    tokens: list[int]
+    texts: list[str]
+    parents: list[int]
+    depths: list[int]
+    scores: list[float]
+    q: list[float]
+    ranks: list[int]
+    expanded: list[bool]
+    kept: list[int]
+    threshold: float
+    head_forwards: int
+    draft_s: float = 0.0
 
 
 Event = Any  # any registered event dataclass
