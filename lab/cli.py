@@ -63,7 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--params", action="append", default=[], metavar="NAME.KEY=VALUE", help="a strategy parameter; repeatable"
     )
-    bench.add_argument("--hf-assist", metavar="prompt-lookup|MODEL", help="add transformers assisted generation")
+    bench.add_argument(
+        "--hf-assist",
+        metavar="prompt-lookup|self-draft[:L]|MODEL",
+        help="add transformers assisted generation (prompt-lookup, self-draft[:L] or a model)",
+    )
     _add_model_options(bench)
     evaluate = commands.add_parser("eval", help="evaluate a strategy (see `eval -h` for the evaluations)")
     evaluations = evaluate.add_subparsers(dest="evaluation", required=True)
