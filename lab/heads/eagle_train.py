@@ -12,7 +12,12 @@ A batch is whole sequences (right-padded, causal mask) adding up to
 about `batch_size` rows. Sequences with id % 20 == 0 are held out: the log reports their regression loss, CE
 and top-1 / top-5 accuracy (the head's argmax over V_d equals the target's argmax) at the end of every epoch.
 On CPU the head and LM-head products run under bf16 autocast (as Medusa's trainer; losses and updates in fp32).
-Not covered: EAGLE-3's training-time test (unrolling the head on its own predictions), GPU mixed precision.
+Deliberate difference (EAGLE-3's training-time test): the loss is unrolled for UNROLL steps. Step k feeds the
+head's own step k - 1 output as the feature of the pair (f_hat_{p+k}, x_{p+k+1}), which attends to the real
+pairs up to p and to its own entries of steps 1..k (exactly the draft tree's mask along a path), and is trained
+on f_{p+k+1} and p_{p+k+1} with weight 0.8^k (weights normalised). At inference every depth below the first
+reads predicted features; teacher forcing alone (UNROLL = 1) left the head's second-level drafts mostly
+rejected on the embedded model. Not covered: GPU mixed precision, data larger than memory.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
+from transformers import DynamicCache
 
 from lab.distill.dataset import DistillData
 from lab.heads.common import draft_vocabulary
@@ -34,6 +40,8 @@ FEATURE_WEIGHT = 1.0  # w_reg (EAGLE Sec. 4.2)
 CE_WEIGHT = 0.1  # w_cls
 NOISE = 0.1  # input features + U(-NOISE, NOISE)
 CLIP = 0.5
+UNROLL = 2  # training-time test steps (EAGLE-3): 1 = EAGLE-1's teacher-forced loss only
+UNROLL_DECAY = 0.8
 HELD_OUT_EVERY = 20
 Log = Callable[[str], None]
 
@@ -108,28 +116,55 @@ def group(spans: list, batch_rows: int, generator: torch.Generator | None) -> li
     return groups
 
 
+def shifted(x: torch.Tensor, k: int, fill: float | bool) -> torch.Tensor:
+    """Column j holds x[:, j + k] (the pair k positions later), the last k columns `fill`. [B, T, ...]"""
+    if k == 0:
+        return x
+    return torch.cat([x[:, k:], torch.full_like(x[:, :k], fill)], dim=1)
+
+
+def step_losses(predicted: torch.Tensor, logits: torch.Tensor, batch: Batch, k: int) -> dict[str, torch.Tensor]:
+    """Smooth L1 to f_{p+1+k}, soft CE to p_{p+1+k}, and argmax hits, over the pairs that exist k steps on."""
+    valid, target = shifted(batch.valid, k, False), shifted(batch.target, k, 0.0)
+    soft_ids, soft_probs = shifted(batch.soft_ids, k, -1), shifted(batch.soft_probs, k, 0.0)
+    reg = F.smooth_l1_loss(predicted.float(), target, reduction="none").mean(-1)  # [B, T]
+    logp = logits.float().log_softmax(-1)  # [B, T, V_d]
+    mass = soft_probs.sum(-1)  # [B, T]
+    ce = -(soft_probs * logp.gather(-1, soft_ids.clamp_min(0))).sum(-1) / mass.clamp_min(1e-9)
+    has_ce = valid & (mass > 0)
+    teacher = soft_ids[..., 0]  # the teacher's argmax as a V_d index (-1 outside)
+    top5 = logp.topk(5, dim=-1).indices  # [B, T, 5]
+    return {
+        "reg": reg[valid].mean(),
+        "ce": ce[has_ce].mean() if has_ce.any() else logp.new_zeros(()),
+        "top1": (top5[..., 0] == teacher)[valid].float().mean(),
+        "top5": (top5 == teacher[..., None]).any(-1)[valid].float().mean(),
+    }
+
+
 def losses(head: EagleHead, batch: Batch, noise: float, autocast: bool = False) -> dict[str, torch.Tensor]:
-    """Smooth L1 on features, soft CE on the draft distribution, and the argmax hits, over valid pairs.
+    """The unrolled loss (module docstring): step k reads the head's own step k - 1 features and attends to the
+    real pairs up to p and its own entries of steps 1..k (the draft tree's mask along a path). Returns the
+    decay-weighted reg and ce, and top-1 / top-5 per step ("top1" = step 0, "top1@k" = step k).
     `autocast`: the head and LM-head products in bf16 on the CPU (losses and updates stay fp32)."""
     features = batch.features
     if noise:
         features = features + (torch.rand_like(features) - 0.5) * 2 * noise
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        predicted = head(features, batch.tokens, batch.positions)  # [B, T, H]
-        logits = head.logits(predicted)  # [B, T, V_d]
-    reg = F.smooth_l1_loss(predicted.float(), batch.target, reduction="none").mean(-1)  # [B, T]
-    logp = logits.float().log_softmax(-1)  # [B, T, V_d]
-    mass = batch.soft_probs.sum(-1)  # [B, T]
-    ce = -(batch.soft_probs * logp.gather(-1, batch.soft_ids.clamp_min(0))).sum(-1) / mass.clamp_min(1e-9)
-    has_ce = batch.valid & (mass > 0)
-    teacher = batch.soft_ids[..., 0]  # the teacher's argmax as a V_d index (-1 outside)
-    top5 = logp.topk(5, dim=-1).indices  # [B, T, 5]
-    return {
-        "reg": reg[batch.valid].mean(),
-        "ce": ce[has_ce].mean() if has_ce.any() else logp.new_zeros(()),
-        "top1": (top5[..., 0] == teacher)[batch.valid].float().mean(),
-        "top5": (top5 == teacher[..., None]).any(-1)[batch.valid].float().mean(),
-    }
+    width = features.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    cache = DynamicCache(config=head.config)
+    weights = [UNROLL_DECAY**k for k in range(UNROLL)]
+    out: dict[str, torch.Tensor] = {}
+    for k, weight in enumerate(weights):
+        mask = torch.cat([causal] + [torch.eye(width, dtype=torch.bool)] * k, dim=1)[None, None]  # [1, 1, T, (k+1)T]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            features = head(features, shifted(batch.tokens, k, 0), batch.positions + k, mask, cache)  # [B, T, H]
+            logits = head.logits(features)  # [B, T, V_d]
+        part = step_losses(features, logits, batch, k)
+        for name in ("reg", "ce"):
+            out[name] = out.get(name, 0.0) + weight / sum(weights) * part[name]
+        out.update({"top1": part["top1"], "top5": part["top5"]} if k == 0 else {f"top1@{k}": part["top1"]})
+    return out
 
 
 @torch.no_grad()

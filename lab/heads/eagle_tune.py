@@ -101,6 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--heads-path", default="", help="EAGLE head file or stem (default: the shipped one)")
     parser.add_argument("--limit", type=int, default=8, help="builtin prompts used for the acceptance runs")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--sizes", default="4,8,12,16,20,24,32,40,48,64")
@@ -109,10 +110,10 @@ def main() -> None:
     args = parser.parse_args()
     sizes, depths = [int(x) for x in args.sizes.split(",")], [int(x) for x in args.depths.split(",")]
     loaded = load_model(args.model, dtype=args.dtype)
-    head = cached_head(loaded, "")
+    head = cached_head(loaded, args.heads_path)
     verify = verify_times(loaded, sizes)
     print("verify ms (1 + N tokens):", {n: round(1000 * t, 2) for n, t in verify.items()})
-    prompts = [loaded.encode(p.text) for p in load_prompts("builtin")[: args.limit]]
+    prompts = [loaded.encode(p) for p in load_prompts("builtin")[: args.limit]]
     results = []
     for branch in (int(x) for x in args.branches.split(",")):
         extend, step = head_times(loaded, head, branch)
@@ -122,7 +123,9 @@ def main() -> None:
         rounds = [
             r for ids in prompts for r in rounds_of(collect(decode_loop(loaded, ids, params, head, torch.Generator())))
         ]
+        print(f"branch {branch}: tau by total_tokens (rows) x depth {depths} (columns), {len(rounds)} rounds")
         for n in sizes:
+            print(f"  {n:4d}: " + " ".join(f"{tau_for(rounds, n, depth):5.2f}" for depth in depths))
             for depth in depths:
                 tau = tau_for(rounds, n, depth)
                 seconds = extend + (depth - 1) * step + verify[n]
