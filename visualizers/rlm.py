@@ -62,7 +62,8 @@ def _ordered(calls: list[ReplCall]) -> list[ReplCall]:
 
 def _label(call: ReplCall) -> str:
     if call.role == "root":
-        return call.action or call.code.strip().splitlines()[0][:40] if call.code.strip() else "(no code)"
+        first_line = call.code.strip().splitlines()[0][:40] if call.code.strip() else "(no code)"
+        return call.action or first_line
     return f"llm_query #{call.call_id}"
 
 

@@ -44,7 +44,7 @@ FINAL(answer) gives the answer.
 
 EXAMPLES = """Question: What is the secret code of Anna Berg?
 Document: 90512 characters, starting: 'Entry 00000: rain in Bonn'.
-Action: grep("Berg")
+Action: grep("Anna Berg")
 Result:
 [40211:40249] The secret code of Anna Berg is 55120.
 count of matching lines: 1
@@ -64,7 +64,7 @@ Action: FINAL(23)
 
 Question: How many apples did Lars Holm pick in total?
 Document: 60219 characters, starting: 'Entry 00000: fog in Kiel'.
-Action: grep("Holm")
+Action: grep("Lars Holm")
 Result:
 [7012:7049] Crate 3301: Lars Holm picked 30 apples.
 [19924:19961] Crate 8120: Lars Holm picked 21 apples.

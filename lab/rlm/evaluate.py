@@ -29,7 +29,7 @@ from lab.runner import make_generator
 from lab.trace import RlmContext, RlmResult
 
 DEFAULT_SIZES = (20_000, 100_000, 500_000)
-DEFAULT_LIMIT = 15
+DEFAULT_LIMIT = 9
 DIRECT_ANSWER_TOKENS = 16
 
 
@@ -87,12 +87,18 @@ def _is_fact(task: tasks.Task, line: str) -> bool:
 
 
 def evaluate(loaded: LoadedModel, limit: int, sizes: tuple[int, ...], progress=None) -> list[TaskRun]:
-    runs = []
+    """Run `limit` tasks (kinds interleaved, sizes cycled per seed) with RLM and directly."""
+    runs: list[TaskRun] = []
     for index in range(limit):
         kind, seed = tasks.KINDS[index % len(tasks.KINDS)], index // len(tasks.KINDS)
         size = sizes[(index // len(tasks.KINDS)) % len(sizes)]
         if progress:
-            progress(index, limit, f"{kind} seed {seed}, {size} tokens")
+            done = (
+                f" (last: rlm {runs[-1].rlm_answer!r}, direct {runs[-1].direct_answer!r}, {runs[-1].expected})"
+                if runs
+                else ""
+            )
+            progress(index, limit, f"{kind} seed {seed}, {size} tokens{done}")
         task = tasks.make_task(kind, size, seed)
         result, context, rlm_s = run_rlm(loaded, kind, size, seed)
         answer, direct_tokens, visible, direct_s = run_direct(loaded, task)
