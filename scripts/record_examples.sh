@@ -21,6 +21,8 @@ EXAMPLES=(
   "medusa|Explain the difference between speed and velocity.|"
   "mtpc|What is photosynthesis, and why is it important for life on Earth?|"
   "eagle|Solve for x: 3x + 7 = 22. Explain each step.|"
+  "tot|4 9 10 13|--set value=solver"
+  "rlm|What is asked in the task?|--set task=needle --set context_tokens=20000"
 )
 
 registered=$("$PY" -c "from strategies import REGISTRY; print(' '.join(REGISTRY))")
