@@ -1,6 +1,6 @@
 """Greedy Medusa and MTPC against plain greedy, token for token, on the builtin prompts (embedded model, fp32).
 
-Usage: .venv/bin/python scripts/check_heads_exact.py [--max-new-tokens 128] [--limit 24]
+Usage: .venv/bin/python scripts/check_heads_exact.py [--max-new-tokens 128] [--start 0] [--limit 24]
 Prints one line per prompt (tokens, tau of each strategy) and a summary; exits 1 on any mismatch.
 """
 
@@ -32,11 +32,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=len(BUILTIN_PROMPTS))
+    parser.add_argument("--start", type=int, default=0, help="skip the first N prompts")
     args = parser.parse_args()
     loaded = load_model("smollm2-135m", device="cpu", dtype="float32")
     strategies = {"medusa": medusa, "mtpc": mtpc}
     equal, taus = dict.fromkeys(strategies, 0), {name: [] for name in strategies}
-    prompts = BUILTIN_PROMPTS[: args.limit]
+    prompts = BUILTIN_PROMPTS[args.start : args.limit]
     for prompt in prompts:
         ids = loaded.encode(prompt.text)
         reference = tokens_of(collect(greedy_run(loaded, ids, GreedyParams(args.max_new_tokens), torch.Generator())))

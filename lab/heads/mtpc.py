@@ -27,15 +27,12 @@ from torch.nn import functional as F
 from lab.heads.medusa import DraftTree, Path, residual_blocks
 
 
-def mtpc_logits(
-    h: torch.Tensor, t: dict[str, torch.Tensor], lm: torch.Tensor, corrections: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log pi [N, r], logits [N, K + 1, r, V_d]) of the circuit's leaves for hidden states h [N, H].
-    `corrections` = W_lm B_kz ([K + 1, r, V_d, rho]) when precomputed (inference), else computed here."""
+def mtpc_logits(h: torch.Tensor, t: dict[str, torch.Tensor], lm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi [N, r], logits [N, K + 1, r, V_d]) of the circuit's leaves for hidden states h [N, H] (training;
+    `MTPCHeads.leaves` is the same computation for one h with W_lm B_kz precomputed)."""
     u = torch.cat([h[:, None], residual_blocks(h, t["blocks.weight"], t["blocks.bias"])], dim=1)  # [N, K + 1, H]
     s = F.silu(torch.einsum("nkh,kzrh->nkzr", u, t["adapters.down"]))  # [N, K + 1, r, rho]
-    if corrections is None:
-        corrections = torch.einsum("vh,kzhr->kzvr", lm, t["adapters.up"])  # [K + 1, r, V_d, rho]
+    corrections = torch.einsum("vh,kzhr->kzvr", lm, t["adapters.up"])  # [K + 1, r, V_d, rho]
     logits = (u @ lm.T)[:, :, None, :] + torch.einsum("nkzr,kzvr->nkzv", s, corrections)
     log_pi = torch.log_softmax(h @ t["mix.weight"].T + t["mix.bias"], dim=-1)
     return log_pi, logits
@@ -67,8 +64,9 @@ class MTPCHeads:
 
     def __post_init__(self) -> None:
         self.remap = {int(v): i for i, v in enumerate(self.vocab.tolist())}
-        with torch.inference_mode():  # W_lm B_kz once, so a round costs one [V_d, rho] product per component
-            self.corrections = torch.einsum("vh,kzhr->kzvr", self.lm_weight, self.tensors["adapters.up"])
+        with torch.inference_mode():  # (W_lm B_kz)^T once, so a round costs one [rho, V_d] product per component
+            up = self.tensors["adapters.up"]  # [K + 1, r, H, rho]
+            self.corrections = (up.transpose(-1, -2) @ self.lm_weight.T).contiguous()  # [K + 1, r, rho, V_d]
 
     @property
     def num_heads(self) -> int:
@@ -89,8 +87,12 @@ class MTPCHeads:
     @torch.inference_mode()
     def leaves(self, h: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(log pi [r], log p_{k,z} [K + 1, r, V_d]) at hidden state h [H]; logits scaled by 1 / temperature."""
-        log_pi, logits = mtpc_logits(h.float()[None], self.tensors, self.lm_weight, self.corrections)
-        return log_pi[0], torch.log_softmax(logits[0] / temperature, dim=-1)
+        t, h = self.tensors, h.float()
+        u = torch.cat([h[None], residual_blocks(h[None], t["blocks.weight"], t["blocks.bias"])[0]])  # [K + 1, H]
+        s = F.silu(torch.einsum("kh,kzrh->kzr", u, t["adapters.down"]))  # [K + 1, r, rho]
+        logits = (u @ self.lm_weight.T)[:, None, :] + (s[:, :, None, :] @ self.corrections)[:, :, 0, :]
+        log_pi = torch.log_softmax(t["mix.weight"] @ h + t["mix.bias"], dim=-1)  # [r]
+        return log_pi, torch.log_softmax(logits / temperature, dim=-1)  # [K + 1, r, V_d]
 
 
 class Circuit:
