@@ -33,7 +33,6 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 
@@ -43,11 +42,11 @@ from lab.heads.eagle import KIND, EagleCache, EagleHead, build_head
 from lab.models import LoadedModel
 from lab.params import DecodeParams, param
 from lab.sampling import SamplingConfig, choose_token, process_logits
-from lab.text import IncrementalDetokenizer
-from lab.trace import EagleDraft, Event, RunFinished, TokenEmitted, TreeRound
+from lab.trace import EagleDraft, Event, RunFinished, TreeRound
 from lab.tree import build_tree_attention
 from lab.tree_accept import TreeAcceptance, accept_tree
 from strategies.base import Strategy
+from strategies.medusa import Emitter
 
 TOP_ALTERNATIVES = 8
 MODES = ("greedy", "sample")
@@ -178,38 +177,6 @@ def cached_head(loaded: LoadedModel, path: str) -> EagleHead:
     return _HEADS[key]
 
 
-@dataclass
-class Emitter:
-    """Output text, the clock and the stop bookkeeping of a run."""
-
-    loaded: LoadedModel
-    max_new_tokens: int
-
-    def __post_init__(self) -> None:
-        self.start = time.perf_counter()
-        self.generated: list[int] = []
-        self.stop_reason: str | None = None
-        self.detokenizer = IncrementalDetokenizer(self.loaded.tokenizer)
-        self.text = lru_cache(maxsize=16384)(self.loaded.token_text)
-
-    def emit(self, step: int, tokens: list[int], sources: list[str], rows: torch.Tensor) -> Iterator[TokenEmitted]:
-        """TokenEmitted per token (cut at EOS / budget); rows[i] = the processed logits token i was chosen from."""
-        top_logits, top_ids = torch.topk(rows, TOP_ALTERNATIVES, dim=-1)
-        top_probs = (top_logits - torch.logsumexp(rows, dim=-1, keepdim=True)).exp().tolist()
-        for i, token in enumerate(tokens):
-            if self.stop_reason:
-                return
-            self.generated.append(token)
-            if token in self.loaded.eos_token_ids:
-                self.stop_reason = "eos"
-            elif len(self.generated) >= self.max_new_tokens:
-                self.stop_reason = "max_new_tokens"
-            text = self.detokenizer.push(token) + (self.detokenizer.flush() if self.stop_reason else "")
-            ids = top_ids[i].tolist()
-            texts, probs = [self.text(t) for t in ids], [round(p, 6) for p in top_probs[i]]
-            yield TokenEmitted(step, token, text, sources[i], time.perf_counter() - self.start, ids, texts, probs)
-
-
 def draft_event(step: int, params: EagleParams, c: Candidates, kept: list[int], text, forwards: int, draft_s: float):
     """The EagleDraft of a round: every candidate and where the rerank cut fell."""
     node_of = {candidate: node for node, candidate in enumerate(kept)}
@@ -290,8 +257,8 @@ def decode_loop(
             sources = ["accepted"] * (len(result.path) - 1) + [result.source]
             before = len(out.generated)
             emitted = list(out.emit(step, result.tokens, sources, processed[result.path]))
-            yield draft_event(step, params, c, kept, out.text, drafter.forwards - forwards, times[0])  # 6.
-            yield tree_event(step, params, c, kept, full, processed, result, len(out.generated) - before, out.text,
+            yield draft_event(step, params, c, kept, out.text_of, drafter.forwards - forwards, times[0])  # 6.
+            yield tree_event(step, params, c, kept, full, processed, result, len(out.generated) - before, out.text_of,
                              times)  # fmt: skip
             yield from emitted
             root = result.next_token
