@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,31 @@ def test_bad_settings_and_missing_data_are_clear_errors(tmp_path: Path) -> None:
         _settings(samples=-1).check()
     with pytest.raises(InputError, match="No self-distillation data"):
         load_distill(tmp_path)
+    with pytest.raises(InputError, match="--no-greedy"):
+        _settings(greedy=False, samples=0).check()
+
+
+def test_a_samples_only_folder_loads_beside_the_first(tiny, tmp_path: Path) -> None:
+    run_distill(tiny, _settings(samples=0), tmp_path / "greedy", _progress([]))
+    run_distill(tiny, _settings(samples=2, greedy=False, seed=7), tmp_path / "samples", _progress([]))
+    greedy, samples = load_distill(tmp_path / "greedy"), load_distill(tmp_path / "samples")
+    assert len(torch.unique(greedy.sequence)) == 3 and len(torch.unique(samples.sequence)) == 6
+    both = load_distill([tmp_path / "greedy", tmp_path / "samples"])
+    assert both.rows == greedy.rows + samples.rows
+    assert torch.unique(both.sequence).tolist() == list(range(9))  # ids run on across folders
+    assert [part["settings"]["greedy"] for part in both.config["parts"]] == [True, False]
+    assert both.config["model_shape"] == greedy.config["model_shape"]
+    run_distill(tiny, _settings(samples=1, top_k=4), tmp_path / "other_k", _progress([]))
+    with pytest.raises(InputError, match="top-4"):
+        load_distill([tmp_path / "greedy", tmp_path / "other_k"])
+
+
+def test_a_folder_made_before_the_greedy_setting_still_resumes(tiny, tmp_path: Path) -> None:
+    run_distill(tiny, _settings(), tmp_path, _progress([]))
+    config_path = tmp_path / "config.json"
+    config = json.loads(config_path.read_text())
+    del config["settings"]["greedy"]
+    config_path.write_text(json.dumps(config))
+    log: list[str] = []
+    run_distill(tiny, _settings(), tmp_path, _progress(log))
+    assert all("already done" in line for line in log)

@@ -44,6 +44,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         batch_size=_int_option("--batch-size", args.batch_size),
         seed=validate_seed(args.seed),
         limit=limit,
+        greedy=not args.no_greedy,
     )
     settings.check()
     loaded = load_model(args.model, args.device, args.dtype)
@@ -59,6 +60,7 @@ def register(commands, evaluations, add_model_options) -> None:
     parser.add_argument("--out", default=None, help="output folder (default data/distill/<model name>)")
     parser.add_argument("--limit", default=None, help="use only the first K prompts of the 336")
     parser.add_argument("--samples", default="1", help="sampled responses per prompt besides the greedy one")
+    parser.add_argument("--no-greedy", action="store_true", help="sampled responses only (a second data set)")
     parser.add_argument("--temperature", default="0.8", help="temperature of the sampled responses")
     parser.add_argument("--top-k", default="32", help="how many next-token probabilities to store per position")
     parser.add_argument("--batch-size", default="8", help="prompts per generate batch (and per shard)")

@@ -1,15 +1,16 @@
 """Reading the self-distillation data (`lab.distill.generate`) back for head training.
 
-`load_distill(folder)` concatenates every shard into one `DistillData`: row r is one position p of one sequence
-with h_p (`hidden[r]`), the token that followed (`next_token[r]` = x_{p+1}) and the model's top-k next-token
-distribution (`topk_ids[r]`, `topk_probs[r]`). `sequence[r]` and `position[r]` locate the row; rows of one
-sequence are contiguous and in order, so row r + k is position p + k of the same sequence iff
-`sequence[r + k] == sequence[r]` (see `future_rows`). Not covered: streaming data larger than memory.
+`load_distill(folder)` (or a list of folders) concatenates every shard into one `DistillData`: row r is one
+position p of one sequence with h_p (`hidden[r]`), the token that followed (`next_token[r]` = x_{p+1}) and the
+model's top-k next-token distribution (`topk_ids[r]`, `topk_probs[r]`). `sequence[r]` and `position[r]` locate
+the row; rows of one sequence are contiguous and in order, so row r + k is position p + k of the same sequence
+iff `sequence[r + k] == sequence[r]` (see `future_rows`). Not covered: streaming data larger than memory.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,24 +65,35 @@ def _rows_of_shard(shard: dict[str, torch.Tensor], first_sequence: int) -> dict[
     }
 
 
-def load_distill(folder: str | Path) -> DistillData:
-    """All shards of a data folder, concatenated; InputError when the folder holds no data."""
-    folder = Path(folder)
-    config_path = folder / "config.json"
-    shards = sorted(folder.glob("shard_*.safetensors"))
-    if not config_path.is_file() or not shards:
-        raise InputError(f"No self-distillation data in {folder}; make it with `python -m lab distill --out {folder}`.")
+def load_distill(folders: str | Path | Sequence[str | Path]) -> DistillData:
+    """All shards of one or more data folders, concatenated (sequence ids run on across folders); InputError
+    when a folder holds no data or the folders were made with different models or top-k.
+
+    With several folders, `config` is {"model_shape": ..., "parts": [each folder's config]}."""
+    paths = [Path(folders)] if isinstance(folders, str | Path) else [Path(f) for f in folders]
+    if not paths:
+        raise InputError("No self-distillation data folder given.")
     parts: dict[str, list[torch.Tensor]] = {}
-    sequences = 0
-    for path in shards:
-        shard = load_file(str(path))
-        for key, value in {**_rows_of_shard(shard, sequences), **shard}.items():
-            if key not in ("tokens", "seq_offsets", "prompt_lengths"):
-                parts.setdefault(key, []).append(value)
-        sequences += len(shard["prompt_lengths"])
+    configs, sequences = [], 0
+    for folder in paths:
+        config_path = folder / "config.json"
+        shards = sorted(folder.glob("shard_*.safetensors"))
+        if not config_path.is_file() or not shards:
+            raise InputError(
+                f"No self-distillation data in {folder}; make it with `python -m lab distill --out {folder}`."
+            )
+        configs.append(json.loads(config_path.read_text()))
+        for path in shards:
+            shard = load_file(str(path))
+            for key, value in {**_rows_of_shard(shard, sequences), **shard}.items():
+                if key not in ("tokens", "seq_offsets", "prompt_lengths"):
+                    parts.setdefault(key, []).append(value)
+            sequences += len(shard["prompt_lengths"])
+    _check_compatible(configs, paths)
     joined = {key: torch.cat(values) for key, values in parts.items()}
+    config = configs[0] if len(configs) == 1 else {"model_shape": configs[0]["model_shape"], "parts": configs}
     return DistillData(
-        config=json.loads(config_path.read_text()),
+        config=config,
         hidden=joined["hidden"],
         topk_ids=joined["topk_ids"].long(),
         topk_probs=joined["topk_probs"].float(),
@@ -90,3 +102,14 @@ def load_distill(folder: str | Path) -> DistillData:
         sequence=joined["sequence"],
         position=joined["position"],
     )
+
+
+def _check_compatible(configs: list[dict], paths: list[Path]) -> None:
+    first = configs[0]
+    for config, path in zip(configs[1:], paths[1:], strict=True):
+        if config["model_shape"] != first["model_shape"]:
+            shapes = f"{config['model_shape']}, not {first['model_shape']}"
+            raise InputError(f"{path} was made with a model of shape {shapes}.")
+        top_k, first_top_k = config["settings"]["top_k"], first["settings"]["top_k"]
+        if top_k != first_top_k:
+            raise InputError(f"{path} stores top-{top_k}, {paths[0]} top-{first_top_k}.")

@@ -1,11 +1,12 @@
 """Self-distillation data: the model's own responses to `lab.distill.prompts`, with its hidden states and top-k
 next-token distributions, stored for training draft heads (Medusa, MTPC, EAGLE) with the base model frozen.
 
-Per prompt (chat template on): one greedy response and `samples` sampled ones (temperature `temperature`, no
-top-k/top-p), up to `max_new_tokens`, cut after the first EOS (kept: heads learn to stop). Then a teacher pass
-over prompt + response stores, for every position p from the last prompt token to the one before the last
-token, the final hidden state h_p (after the final norm, the LM head's input, fp16) and the top `top_k` of
-softmax(z_p) (the model's next-token distribution at temperature 1), i.e. one row per response token.
+Per prompt (chat template on): one greedy response (unless `greedy` is off, for a second data set that adds only
+samples) and `samples` sampled ones (temperature `temperature`, no top-k/top-p), up to `max_new_tokens`, cut
+after the first EOS (kept: heads learn to stop). Then a teacher pass over prompt + response stores, for every
+position p from the last prompt token to the one before the last token, the final hidden state h_p (after the
+final norm, the LM head's input, fp16) and the top `top_k` of softmax(z_p) (the model's next-token distribution
+at temperature 1), i.e. one row per response token.
 
 Work is split into batches of `batch_size` prompts; each batch is one shard (`shard_00012.safetensors`) written
 atomically, so an interrupted run resumes where it stopped. `config.json` records the settings and the model
@@ -45,12 +46,15 @@ class DistillSettings:
     batch_size: int = 8
     seed: int = 0
     limit: int | None = None
+    greedy: bool = True  # off: sampled responses only (more data beside a folder that has the greedy ones)
 
     def check(self) -> None:
         if not 1 <= self.max_new_tokens <= 4096:
             raise InputError("--max-new-tokens must be between 1 and 4096.")
         if not 0 <= self.samples <= 16:
             raise InputError("--samples must be between 0 and 16.")
+        if not self.greedy and self.samples == 0:
+            raise InputError("--no-greedy needs --samples of at least 1.")
         if not 0.05 <= self.temperature <= 5:
             raise InputError("--temperature must be between 0.05 and 5.")
         if not 1 <= self.top_k <= 256 or not 1 <= self.batch_size <= 256:
@@ -139,6 +143,7 @@ def _check_config(out_dir: Path, config: dict) -> None:
     path = out_dir / "config.json"
     if path.exists():
         existing = json.loads(path.read_text())
+        existing.get("settings", {}).setdefault("greedy", True)  # folders made before the setting existed
         if existing != config:
             raise InputError(f"{out_dir} holds data made with other settings ({existing}); choose another --out.")
     else:
@@ -161,7 +166,7 @@ def run_distill(loaded: LoadedModel, settings: DistillSettings, out_dir: Path, p
         torch.manual_seed(settings.seed + index)
         encoded = [loaded.encode(text, chat=True) for text in batch]
         records = []
-        for variant in range(1 + settings.samples):
+        for variant in range(0 if settings.greedy else 1, 1 + settings.samples):
             responses = generate_responses(loaded, encoded, settings, sampled=variant > 0)
             for prompt, response in zip(encoded, responses, strict=True):
                 if response:

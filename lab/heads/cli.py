@@ -64,7 +64,8 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         raise InputError("--epochs must be in (0, 100], --lr in (0, 1), --batch-size at least 1.")
     if not (1 <= options.heads <= 8 and 1 <= options.components <= 64):
         raise InputError("--heads must be 1..8 and --components 1..64.")
-    data = load_distill(args.data or DEFAULT_OUT.format(slug=_slug(args.model)))
+    folders = args.data.split(",") if args.data else [DEFAULT_OUT.format(slug=_slug(args.model))]
+    data = load_distill([folder.strip() for folder in folders if folder.strip()])
     loaded = load_model(args.model, args.device, "float32" if args.dtype == "auto" else args.dtype)
     if data.config["model_shape"] != model_shape(loaded):
         raise InputError(f"The data was made with a model of shape {data.config['model_shape']}, not {args.model}.")
@@ -84,7 +85,9 @@ def register(commands, evaluations, add_model_options) -> None:
     """Add `train-heads` to the top-level commands."""
     parser = commands.add_parser("train-heads", help="train Medusa / MTPC / EAGLE draft heads (base model frozen)")
     parser.add_argument("--kind", required=True, choices=KINDS)
-    parser.add_argument("--data", default=None, help="self-distillation data folder (default data/distill/<model>)")
+    parser.add_argument(
+        "--data", default=None, help="self-distillation data folder(s), comma-separated (default data/distill/<model>)"
+    )
     parser.add_argument("--out", default=None, help="output folder (default heads/<model>/, the shipped heads)")
     parser.add_argument("--tokens", default=None, help="train on at most N data rows (default: all)")
     parser.add_argument("--epochs", default="1", help="passes over the data (fractions allowed)")
