@@ -252,7 +252,12 @@ def decode_loop(
 def run(
     loaded: LoadedModel, prompt_ids: list[int], params: SpeculativeParams, generator: torch.Generator
 ) -> Iterator[Event]:
-    proposer = make_proposer(
+    return decode_loop(loaded, prompt_ids, params, proposer_for(loaded, params), generator)
+
+
+def proposer_for(loaded: LoadedModel, params: SpeculativeParams) -> Proposer:
+    """The drafter the params name, with its settings (shared with SSD)."""
+    return make_proposer(
         loaded,
         params.drafter,
         draft_model=params.draft_model,
@@ -260,7 +265,6 @@ def run(
         max_ngram=params.max_ngram,
         lookup_scaling=params.lookup_scaling,
     )
-    return decode_loop(loaded, prompt_ids, params, proposer, generator)
 
 
 STRATEGY = Strategy(

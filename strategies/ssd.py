@@ -38,7 +38,7 @@ import torch
 
 from lab.models import LoadedModel
 from lab.params import param
-from lab.proposers import DRAFTERS, Draft, DraftContext, Proposer, make_proposer, verify_draft
+from lab.proposers import DRAFTERS, Draft, DraftContext, Proposer, verify_draft
 from lab.ssd import Job, Speculator, acceptance_estimate
 from lab.trace import Event, PipelineSpan, RunFinished, SpeculationRound
 from strategies.base import Strategy
@@ -49,6 +49,7 @@ from strategies.speculative import (
     cut_at_eos,
     emitted,
     next_gamma,
+    proposer_for,
     round_event,
 )
 
@@ -194,15 +195,7 @@ def decode_loop(
 
 
 def run(loaded: LoadedModel, prompt_ids: list[int], params: SSDParams, generator: torch.Generator) -> Iterator[Event]:
-    proposer = make_proposer(
-        loaded,
-        params.drafter,
-        draft_model=params.draft_model,
-        draft_layers=params.draft_layers,
-        max_ngram=params.max_ngram,
-        lookup_scaling=params.lookup_scaling,
-    )
-    return decode_loop(loaded, prompt_ids, params, proposer, generator)
+    return decode_loop(loaded, prompt_ids, params, proposer_for(loaded, params), generator)
 
 
 STRATEGY = Strategy(
