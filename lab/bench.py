@@ -14,7 +14,9 @@ forwards/token count every call of the target module (draft calls too when the a
 Per row: median tokens/s (new tokens / wall time of one run, prefill included), speedup against the first
 strategy's median, mean new tokens, forwards per token and the mean of every other numeric
 field of `lab.trace.Stats` (plus SSD's `lab.trace.speculation_stats`: cache hit rate, branches per round).
-Both paths stop at the same EOS ids, and a strategy's stop reasons are noted.
+Both paths stop at the same EOS ids, and a strategy's stop reasons are noted. `--profile` adds one more, untimed
+pass of every strategy with `lab.profile`'s module timer: the share of wall time in target forwards, drafting,
+acceptance, KV compaction and the rest, and the cost of a target forward at the positions it scored.
 Not covered: asserting speeds (tests never do), batching, memory use, sampling in the HF reference row.
 """
 
@@ -34,6 +36,7 @@ import torch
 
 from lab.models import EMBEDDED_MODEL, LoadedModel
 from lab.params import InputError
+from lab.profile import ProfileRow, format_profile, module_timer, profile_row
 from lab.prompts import load_prompts
 from lab.runner import prepare, stream_run
 from lab.trace import Stats, speculation_stats, summarize
@@ -79,13 +82,18 @@ class BenchRow:
 
 @dataclass
 class BenchResult:
-    """What was measured (config) and one row per strategy, hf-generate last."""
+    """What was measured (config), one row per strategy (hf-generate last) and, with --profile, one profile
+    row per strategy (`lab.profile`)."""
 
     config: dict
     rows: list[BenchRow]
+    profile: list[ProfileRow] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {"config": self.config, "rows": [row.as_dict() for row in self.rows]}
+        result = {"config": self.config, "rows": [row.as_dict() for row in self.rows]}
+        if self.profile:
+            result["profile"] = [row.as_dict() for row in self.profile]
+        return result
 
 
 def _numeric_stats(stats: Stats) -> dict[str, float]:
@@ -276,6 +284,25 @@ def _measure(
     return samples
 
 
+def _profile(
+    requests: dict[str, list[RunRequest]], loaded: LoadedModel, prompt_ids: list[list[int]], progress: Progress | None
+) -> list[ProfileRow]:
+    """One more run of every strategy on every prompt with the module timer on (`lab.profile`)."""
+    rows, total = [], len(requests) * len(prompt_ids)
+    for name, runs in requests.items():
+        timers, wall, tokens = [], 0.0, 0
+        for index, ids in enumerate(prompt_ids):
+            if progress:
+                progress(len(rows) * len(prompt_ids) + index + 1, total, f"profile {name} prompt {index + 1}")
+            with module_timer(loaded) as times:
+                sample = time_strategy(runs[index], loaded, ids)
+            timers.append(times)
+            wall += sample.metrics.get("wall_s", 0.0)
+            tokens += sample.new_tokens
+        rows.append(profile_row(name, wall, tokens, timers))
+    return rows
+
+
 def _config(loaded: LoadedModel, prompts_source: str, n_prompts: int, **settings: object) -> dict:
     import transformers
 
@@ -307,10 +334,12 @@ def run_bench(
     hf: bool = True,
     params: dict[str, dict[str, Any]] | None = None,
     hf_assist: str | None = None,
+    profile: bool = False,
     progress: Progress | None = None,
 ) -> BenchResult:
     """Measure every strategy (and hf-generate unless `hf` is False, and hf-assist when `hf_assist` names
-    prompt-lookup or a draft model); `params` overrides strategy parameters by strategy name.
+    prompt-lookup or a draft model); `params` overrides strategy parameters by strategy name; `profile` adds
+    a profiled pass of every strategy after the timed one (`lab.profile`).
     Raises InputError / ModelLoadError."""
     _check_count("repeat", repeat, 1, MAX_REPEAT)
     _check_count("limit", limit, 1)
@@ -337,7 +366,7 @@ def run_bench(
     settings = {"strategies": list(requests), "max_new_tokens": max_new_tokens, "repeat": repeat, "seed": seed}
     extra = {"params": params or {}, "hf_assist": hf_assist}
     config = _config(loaded, prompts, len(texts), **settings, limit=limit, hf=hf, **extra)
-    return BenchResult(config, rows)
+    return BenchResult(config, rows, _profile(requests, loaded, prompt_ids, progress) if profile else [])
 
 
 def format_table(result: BenchResult) -> str:
@@ -359,4 +388,8 @@ def format_table(result: BenchResult) -> str:
             notes,
         )
         lines.append("| " + " | ".join(cells) + " |")
-    return head + "\n".join(lines)
+    table = head + "\n".join(lines)
+    if result.profile:
+        table += "\n\nWhere the time goes (a separate profiled pass, share of wall time):\n\n"
+        table += format_profile(result.profile)
+    return table

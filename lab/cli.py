@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="prompt-lookup|self-draft[:L]|MODEL",
         help="add transformers assisted generation (prompt-lookup, self-draft[:L] or a model)",
     )
+    bench.add_argument(
+        "--profile", action="store_true", help="add a profiled pass: where each strategy's time goes (lab.profile)"
+    )
     _add_model_options(bench)
     evaluate = commands.add_parser("eval", help="evaluate a strategy (see `eval -h` for the evaluations)")
     evaluations = evaluate.add_subparsers(dest="evaluation", required=True)
@@ -229,6 +232,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         hf=not args.no_hf,
         params=parse_param_overrides(args.params),
         hf_assist=args.hf_assist,
+        profile=args.profile,
         progress=_print_progress,
     )
     print(json.dumps(result.as_dict(), indent=2) if args.json else format_table(result))

@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from lab.models import LoadedModel
+from lab.profile import section
 from lab.tree import TreeAttention
 
 
@@ -124,14 +125,16 @@ def crop(state: DecodeState, length: int) -> None:
     """Roll the cache back to its first `length` positions (rejected chain tokens are forgotten)."""
     if not 0 <= length <= state.length:
         raise ValueError(f"cannot crop a cache of {state.length} positions to {length}")
-    state.cache.crop(length - state.length)  # transformers 5.x: crop(-n) drops the last n positions
+    with section("KV compaction"):
+        state.cache.crop(length - state.length)  # transformers 5.x: crop(-n) drops the last n positions
     del state.tokens[length:]
 
 
 def select(state: DecodeState, positions: list[int]) -> None:
     """Keep only the cache positions `positions` (e.g. prefix + an accepted tree path), in that order."""
-    index = torch.tensor(positions, dtype=torch.long, device=state.loaded.device)
-    for layer in state.cache.layers:
-        layer.keys = layer.keys.index_select(-2, index)  # [B, heads, T, d]
-        layer.values = layer.values.index_select(-2, index)
+    with section("KV compaction"):
+        index = torch.tensor(positions, dtype=torch.long, device=state.loaded.device)
+        for layer in state.cache.layers:
+            layer.keys = layer.keys.index_select(-2, index)  # [B, heads, T, d]
+            layer.values = layer.values.index_select(-2, index)
     state.tokens[:] = [state.tokens[p] for p in positions]

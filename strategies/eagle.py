@@ -41,6 +41,7 @@ from lab.heads.common import load_heads
 from lab.heads.eagle import KIND, EagleCache, EagleHead, build_head
 from lab.models import LoadedModel
 from lab.params import DecodeParams, param
+from lab.profile import section
 from lab.sampling import SamplingConfig, choose_token, process_logits
 from lab.trace import EagleDraft, Event, RunFinished, TreeRound
 from lab.tree import build_tree_attention
@@ -242,15 +243,18 @@ def decode_loop(
             depth = min(params.depth, params.total_tokens, params.max_new_tokens - len(out.generated) - 1)
             c, kept = Candidates(), []
             if depth > 0:
-                f_hat = drafter.cache.extend(*pending)  # 1. the head reads the committed pairs
-                drafter.forwards += 1
-                c = drafter.draft(f_hat, pending[2] + len(pending[1]) - 1, depth)  # 2. expand
-                kept = rerank(c, params.total_tokens)  # rerank
+                with section("draft"):
+                    f_hat = drafter.cache.extend(*pending)  # 1. the head reads the committed pairs
+                    drafter.forwards += 1
+                    c = drafter.draft(f_hat, pending[2] + len(pending[1]) - 1, depth)  # 2. expand
+                    kept = rerank(c, params.total_tokens)  # rerank
             full = tree_inputs(root, c, kept)
             t1, n_past = time.perf_counter(), state.length
             v = runtime.verify_tree(state, build_tree_attention(full[1]), full[0], hidden_states=True)  # 3.
             processed = process_logits(v.logits, config, [])  # [n + 1, V]
-            result = accept_tree(full[0], full[1], processed if greedy else processed.softmax(-1), generator, greedy)
+            scores = processed if greedy else processed.softmax(-1)
+            with section("accept"):
+                result = accept_tree(full[0], full[1], scores, generator, greedy)
             runtime.select(state, list(range(n_past)) + [n_past + i for i in result.path])  # 5. compact
             pending = (v.hidden_states[-1][result.path], result.tokens, n_past)
             times = (t1 - t0, time.perf_counter() - t1)

@@ -39,6 +39,7 @@ from lab.heads.common import load_heads
 from lab.heads.medusa import DraftTree, MedusaHeads, head_top, prune_choices, tree_from_choices
 from lab.models import LoadedModel
 from lab.params import DecodeParams, param
+from lab.profile import section
 from lab.sampling import SamplingConfig, accept_draft, choose_token, process_logits
 from lab.text import IncrementalDetokenizer
 from lab.trace import Event, RunFinished, TokenEmitted, TreeRound
@@ -204,14 +205,16 @@ def tree_decode_loop(
         while out.stop_reason is None:
             t0 = time.perf_counter()
             max_depth = params.max_new_tokens - len(out.generated) - 1
-            tree, extra = drafter.draft(hidden, root, logits, max_depth, params.mode, generator)  # 1.
+            with section("draft"):
+                tree, extra = drafter.draft(hidden, root, logits, max_depth, params.mode, generator)  # 1.
             t1 = time.perf_counter()
             full = ([root] + tree.tokens, [-1] + [p + 1 for p in tree.parents])
             n_past = state.length
             v = runtime.verify_tree(state, build_tree_attention(full[1]), full[0], hidden_states=True)  # 2.
             t2 = time.perf_counter()
             processed = process_logits(v.logits, config, [])  # [n + 1, V]
-            path, next_token, source = accept(tree, full, processed, params, generator)  # 3.
+            with section("accept"):
+                path, next_token, source = accept(tree, full, processed, params, generator)  # 3.
             runtime.select(state, list(range(n_past)) + [n_past + i for i in path])  # 4.
             logits, hidden = v.logits[path[-1]], v.hidden_states[-1][path[-1]]
             tokens = [full[0][i] for i in path[1:]] + [next_token]

@@ -41,6 +41,7 @@ import torch
 from lab import runtime
 from lab.models import LoadedModel
 from lab.params import DecodeParams, param
+from lab.profile import section
 from lab.proposers import DRAFTERS, Draft, DraftContext, Proposer, Verification, make_proposer, verify_draft
 from lab.sampling import SamplingConfig
 from lab.text import IncrementalDetokenizer
@@ -231,7 +232,8 @@ def decode_loop(
             remaining = params.max_new_tokens - len(out.generated)
             context = DraftContext(prompt_ids + out.generated, min(gamma, remaining - 1), config, generator, eos)
             t0 = time.perf_counter()
-            draft = cut_at_eos(proposer.propose(context), eos)  # 1. draft
+            with section("draft"):
+                draft = cut_at_eos(proposer.propose(context), eos)  # 1. draft
             draft_s = time.perf_counter() - t0
             v = verify_draft(state, last, draft, config, context.tokens, generator)  # 2.-3. verify, accept
             proposer.accept(len(v.acceptance.accepted))  # 4. the drafter rolls back (verify_draft crops the target)

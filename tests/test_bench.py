@@ -21,8 +21,10 @@ def test_run_bench_rows_and_table(embedded) -> None:
         limit=2,
         device="cpu",
         dtype="float32",
+        profile=True,
         progress=lambda done, total, message: calls.append((done, total, message)),
     )
+    calls = [c for c in calls if not c[2].startswith("profile")]
     names = [row.name for row in result.rows]
     assert names == ["greedy", "sample", HF_ROW]
     assert result.rows[0].speedup == 1.0
@@ -36,6 +38,11 @@ def test_run_bench_rows_and_table(embedded) -> None:
     table = format_table(result)
     assert all(f"| {name} |" in table for name in names)
     json.dumps(result.as_dict(), allow_nan=False)  # the --json output is plain JSON
+    assert [row.name for row in result.profile] == ["greedy", "sample"]  # the profiled pass, strategies only
+    for row in result.profile:
+        assert sum(row.shares.values()) == pytest.approx(1.0) and row.shares["target forward"] > 0
+        assert row.positions_per_target_forward == 1.0 and row.target_forwards_per_token > 0
+    assert "Where the time goes" in table and "| greedy |" in table.split("Where the time goes")[1]
 
 
 def test_prompt_files_load(tmp_path: Path) -> None:
