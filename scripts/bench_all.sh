@@ -8,7 +8,8 @@ OUT=${OUT:-runs/bench}
 mkdir -p "$OUT"
 COMMON=(--max-new-tokens 128 --dtype bfloat16)
 # 1. vanilla SD (prompt lookup) and the draft-head methods against the lab's greedy, with HF's prompt lookup
-$PY -m lab bench --strategies greedy,speculative,medusa,mtpc,eagle --hf-assist prompt-lookup "${COMMON[@]}" \
+# (and a profiled pass: where each strategy's time goes)
+$PY -m lab bench --strategies greedy,speculative,medusa,mtpc,eagle --hf-assist prompt-lookup --profile "${COMMON[@]}" \
     | tee "$OUT/heads.txt"
 # 2. SD vs SSD with the same self-drafter (first 12 layers), with HF assisted generation using that drafter
 $PY -m lab bench --strategies greedy,speculative,ssd --limit 8 --hf-assist self-draft:12 \

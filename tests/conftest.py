@@ -18,3 +18,20 @@ def embedded() -> LoadedModel:
 def tiny() -> LoadedModel:
     """A seeded 2-layer random Llama (hidden 64, vocab 256) with a byte tokenizer."""
     return tiny_loaded_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run thousands of small forwards: one thread avoids OpenMP spin contention on shared CPUs."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def repeating_prompt_ids(tiny) -> list[int]:
+    """A prompt that repeats itself, so prompt lookup finds matches."""
+    return tiny.encode("The lab decodes the lab decodes the", chat=False)

@@ -32,6 +32,8 @@ from strategies.speculative import SpeculativeParams, cut_at_eos, decode_loop, n
 from tests.stats import assert_joint_matches
 from tests.tiny import ByteTokenizer, tiny_llama, tiny_loaded_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SD = get_strategy("speculative")
 GREEDY = get_strategy("greedy")
 N_DRAWS = 3000
@@ -114,18 +116,9 @@ class FixedProposer:
         pass
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run thousands of small forwards: one thread avoids OpenMP spin contention on shared CPUs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def prompt_ids(tiny) -> list[int]:
-    return tiny.encode("The lab decodes the lab decodes the", chat=False)
+def prompt_ids(repeating_prompt_ids: list[int]) -> list[int]:
+    return repeating_prompt_ids
 
 
 # --- proposers --------------------------------------------------------------------------------------------

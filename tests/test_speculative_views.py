@@ -31,8 +31,8 @@ from visualizers.ssd import timeline_figure
 
 
 @pytest.fixture(scope="module")
-def prompt_ids(tiny) -> list[int]:
-    return tiny.encode("The lab decodes the lab decodes the", chat=False)
+def prompt_ids(repeating_prompt_ids: list[int]) -> list[int]:
+    return repeating_prompt_ids
 
 
 # --- bench options ----------------------------------------------------------------------------------------

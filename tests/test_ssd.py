@@ -34,6 +34,8 @@ from tests.tiny import tiny_loaded_model
 from visualizers import strategy_figures
 from visualizers.ssd import cache_figure, fanout_figure, timeline_figure
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SSD = get_strategy("ssd")
 N_DRAWS = 3000
 
@@ -61,17 +63,9 @@ def full_speculation(monkeypatch):
     monkeypatch.setattr(Speculator, "finish", finish)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def prompt_ids(tiny) -> list[int]:
-    return tiny.encode("The lab decodes the lab decodes the", chat=False)
+def prompt_ids(repeating_prompt_ids: list[int]) -> list[int]:
+    return repeating_prompt_ids
 
 
 # --- planner, cache, helpers ------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import math
 import plotly.graph_objects as go
 
 from lab.trace import EagleDraft, Event, TreeRound
+from visualizers.heads import layered_y
 from visualizers.style import PROBABILITY_COLORSCALE, STATUS_COLORS, base_layout, display_token
 from visualizers.topk import empty_figure
 from visualizers.view import StrategyView
@@ -53,28 +54,6 @@ def _pick(events: list[Event], step: int | None) -> tuple[EagleDraft, TreeRound 
     if step is None:  # the latest round that drafted anything (the last one may have had no budget left)
         return next((r for r in reversed(rounds) if r[0].tokens), rounds[-1])
     return next((r for r in rounds if r[0].step == step), None)
-
-
-def _layout(parents: list[int]) -> list[float]:
-    """y of each candidate: leaves in depth-first order, each parent centred over its children."""
-    children: dict[int, list[int]] = {}
-    for node, parent in enumerate(parents):
-        children.setdefault(parent, []).append(node)
-    y: dict[int, float] = {}
-    next_leaf = 0.0
-
-    def place(node: int) -> float:
-        nonlocal next_leaf
-        kids = children.get(node, [])
-        if not kids:
-            y[node], next_leaf = next_leaf, next_leaf + 1
-        else:
-            spots = [place(kid) for kid in kids]
-            y[node] = (spots[0] + spots[-1]) / 2
-        return y[node]
-
-    place(-1)
-    return [-y[i] for i in range(len(parents))] + [-y[-1]]  # last entry: the root
 
 
 def _status(d: EagleDraft, tree: TreeRound | None, i: int) -> str:
@@ -176,7 +155,7 @@ def growth_figure(events: list[Event], step: int | None = None) -> go.Figure:
     if picked is None or not picked[0].tokens:
         return empty_figure(title, PLACEHOLDER, height=420)
     d, tree = picked
-    ys = _layout(d.parents)
+    ys = layered_y(d.parents)
     levels = max(d.depths) + 1
     phases = [("grow", level, f"depth {level}") for level in range(levels)]
     phases += [("rerank", 0, f"rerank (keep {sum(k >= 0 for k in d.kept)})"), ("verify", 0, "verified")]
