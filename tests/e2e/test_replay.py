@@ -31,9 +31,8 @@ def replayed_tokens(page) -> int:
     return ui.token_spans(page, "replay-").count()
 
 
-def test_replay_an_uploaded_trace_step_by_step(page, example, screenshot):
-    trace, total = example
-    assert total >= 8, "the example trace is too short to watch it play"
+def upload_and_play(page, trace, total: int) -> None:
+    """Upload the example on the Replay tab, check it is shown whole, then press Play (from the end: restart)."""
     ui.tab(page, "Replay")
     page.locator("#trace-upload input[type=file]").set_input_files(str(EXAMPLE))
     ui.wait_until(lambda: "Uploaded trace" in page.locator("#replay-status").inner_text(), "the upload", 60, page)
@@ -45,6 +44,12 @@ def test_replay_an_uploaded_trace_step_by_step(page, example, screenshot):
 
     ui.start_recording_plot(page, "replay-main-plot")
     ui.button(page, "replay-play").click()  # at the end: plays again from step 0
+
+
+def test_replay_an_uploaded_trace_step_by_step(page, example, screenshot):
+    trace, total = example
+    assert total >= 8, "the example trace is too short to watch it play"
+    upload_and_play(page, trace, total)
     ui.wait_until(lambda: 0 < replayed_tokens(page) < total // 2, "playback to restart", 60, page)
     screenshot(page, "06-replay")
     ui.wait_until(lambda: replayed_tokens(page) == total, "playback to reach the end", 120, page)
@@ -83,17 +88,7 @@ def test_replay_an_uploaded_trace_with_play_and_pause(page, example, screenshot)
     assert total >= 8, "the example trace is too short to play and pause"
     page.reload()  # a fresh session: the upload box of the earlier tests still holds their file
     page.get_by_label("Prompt", exact=True).wait_for()
-    ui.tab(page, "Replay")
-    page.locator("#trace-upload input[type=file]").set_input_files(str(EXAMPLE))
-    ui.wait_until(lambda: "Uploaded trace" in page.locator("#replay-status").inner_text(), "the upload", 60, page)
-    assert trace.strategy in page.locator("#replay-status").inner_text()
-    ui.wait_until(lambda: replayed_tokens(page) == total, "the whole trace", 30, page)
-    assert ui.output_text(page, "replay-") == trace.text
-    figure = ui.wait_until(lambda: ui.plot_data(page, "replay-main-plot"), "the replayed main view", 30, page)
-    assert figure["title"].startswith("Draft rounds")
-
-    ui.start_recording_plot(page, "replay-main-plot")
-    ui.button(page, "replay-play").click()  # at the end: plays again from step 0
+    upload_and_play(page, trace, total)
     ui.wait_until(lambda: 0 < replayed_tokens(page) < total // 2, "playback to restart and move", 60, page)
     ui.button(page, "replay-pause").click()
     paused = wait_until_stable(page, lambda: replayed_tokens(page), quiet_ms=2500)
