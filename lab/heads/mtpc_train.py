@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from lab.distill.dataset import DistillData
-from lab.heads.common import find_heads, load_heads
+from lab.heads.common import HEADS_DIR, find_heads, load_heads
 from lab.heads.medusa import tune_choices
 from lab.heads.medusa_train import (
     DECAY,
@@ -89,7 +89,8 @@ def warm_start(loaded: LoadedModel, tensors: dict, vocab: torch.Tensor, log: Log
     with torch.no_grad():
         weight.copy_(medusa["blocks.weight"].cpu())
         tensors["blocks.bias"].copy_(medusa["blocks.bias"].cpu())
-    source = str(find_heads("medusa", loaded))
+    stem = find_heads("medusa", loaded)
+    source = str(stem.relative_to(HEADS_DIR.parent) if stem.is_relative_to(HEADS_DIR.parent) else stem)
     log(f"warm start: per-position blocks from {source}")
     return source
 
