@@ -18,10 +18,11 @@ re-reads the path with real features in step 1 of the next round, as EAGLE's imp
 6. an `EagleDraft` (every candidate, its score, the rerank cut), a `TreeRound` and one `TokenEmitted` per
 token stream out. The first token comes from the prefill forward, as in greedy decoding.
 
-Defaults (total_tokens 8, depth 4, branch 4) come from measuring the round's parts on the embedded model on the
-2-core CPU (bf16, 4 builtin prompts, 128 tokens; `lab.heads.eagle_tune` replays tree sizes): with the shipped
-head tau is 1.6-1.8 for every tree from 8 to 48 nodes, while verifying 1 + 24 nodes costs about 1.6 greedy steps
-and 1 + 48 about 2.3, so the smallest tree measured was fastest (README, EAGLE section, has the table).
+Defaults (total_tokens 16, depth 3, branch 8) come from measuring the round's parts on the embedded model on the
+2-core CPU (bf16, 8 builtin prompts, 128 tokens; `lab.heads.eagle_tune` replays tree sizes, then `lab bench` checked
+the best few): with the shipped head a frontier of 8 drafts far better than 4 (tau 2.01 vs 1.81 at 8 nodes), a
+fourth level adds little (2.24 vs 2.20 at 16 nodes), and verifying 1 + 16 nodes costs about 1.3 greedy steps while
+1 + 24 or more jumps to 1.6 or more, so 16 nodes at depth 3 was fastest (README, EAGLE section, has the table).
 Deliberate differences: EOS nodes are not expanded; no repetition penalty (it would depend on each node's path);
 the head only scores its draft vocabulary V_d (`lab.heads.eagle`).
 Not covered: EAGLE-3, batching, stochastic (sampled) draft trees.
@@ -57,9 +58,9 @@ _HEADS: dict[tuple, EagleHead] = {}
 @dataclass(frozen=True)
 class EagleParams(DecodeParams):
     mode: str = param("greedy", choices=MODES, help="greedy: exact argmax path; sample: EAGLE-2's lossless rule.")
-    total_tokens: int = param(8, low=1, high=128, help="Draft nodes kept after reranking by c(x) (verify size).")
-    depth: int = param(4, low=1, high=16, help="Draft tree levels: head forwards per round (longest draft).")
-    branch: int = param(4, low=1, high=16, help="EAGLE-2's top_k: children per expanded node and frontier width.")
+    total_tokens: int = param(16, low=1, high=128, help="Draft nodes kept after reranking by c(x) (verify size).")
+    depth: int = param(3, low=1, high=16, help="Draft tree levels: head forwards per round (longest draft).")
+    branch: int = param(8, low=1, high=16, help="EAGLE-2's top_k: children per expanded node and frontier width.")
     temperature: float = param(1.0, low=0.05, high=2.0, help="sample: p = softmax(z / T) of the target.")
     top_p: float = param(1.0, low=0.05, high=1.0, help="sample: nucleus on p (1 = off).")
     heads_path: str = param("", help="Trained EAGLE head file or stem (empty = the head shipped for this model).")

@@ -262,7 +262,7 @@ def test_embedded_greedy_eagle_equals_greedy(embedded) -> None:
         events = collect(EAGLE.run(embedded, ids, params, gen()))
         assert tokens_of(events) == greedy_tokens(embedded, ids, EMBEDDED_TOKENS), text
         taus.append(summarize(events).mean_accepted_length)
-    assert sum(taus) / len(taus) > 1.3  # the shipped head really drafts (tau about 1.6-1.9 with the defaults)
+    assert sum(taus) / len(taus) > 1.6  # the shipped head really drafts (tau about 2.0-2.3 with the defaults)
 
 
 def test_tuning_replays_smaller_trees_from_one_big_run(tiny_trained) -> None:
