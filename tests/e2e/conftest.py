@@ -29,6 +29,11 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
     "--no-first-run",
+    # never treat the page as backgrounded (timer throttling, deferred drawing): the tests watch live updates
+    "--disable-background-timer-throttling",
+    "--disable-renderer-backgrounding",
+    "--disable-backgrounding-occluded-windows",
+    "--disable-features=IntensiveWakeUpThrottling,CalculateNativeWinOcclusion",
 ]
 VIEWPORT = {"width": 1400, "height": 1000}
 

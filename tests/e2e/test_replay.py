@@ -7,8 +7,6 @@ draft-round view is replayed round by round.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from lab.trace import TokenEmitted, from_json
@@ -71,18 +69,6 @@ def test_a_hostile_trace_upload_gets_a_clear_message(page, example, artifacts):
     assert replayed_tokens(page) == before, "a refused file must leave the replay as it was"
 
 
-def wait_until_stable(page, read, quiet_ms: int, timeout_s: float = 30):
-    """The value of `read()` once it has not changed for `quiet_ms`."""
-    value, since, start = read(), time.monotonic(), time.monotonic()
-    while time.monotonic() - since < quiet_ms / 1000:
-        assert time.monotonic() - start < timeout_s, "the value never settled"
-        page.wait_for_timeout(100)
-        current = read()
-        if current != value:
-            value, since = current, time.monotonic()
-    return value
-
-
 def test_replay_an_uploaded_trace_with_play_and_pause(page, example, screenshot):
     trace, total = example
     assert total >= 8, "the example trace is too short to play and pause"
@@ -91,7 +77,7 @@ def test_replay_an_uploaded_trace_with_play_and_pause(page, example, screenshot)
     upload_and_play(page, trace, total)
     ui.wait_until(lambda: 0 < replayed_tokens(page) < total // 2, "playback to restart and move", 60, page)
     ui.button(page, "replay-pause").click()
-    paused = wait_until_stable(page, lambda: replayed_tokens(page), quiet_ms=2500)
+    paused = ui.wait_until_stable(page, lambda: replayed_tokens(page), quiet_ms=2500)
     assert paused < total, "playback kept going after Pause"
     assert len(ui.recorded_plot_states(page)) >= 2, "the replayed plot did not move step by step"
     screenshot(page, "06-replay")

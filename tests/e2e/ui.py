@@ -136,3 +136,15 @@ def wait_for_new_trace(page: Page, previous: str | None, timeout_s: float = RUN_
         return name if name and name != previous else None
 
     return wait_until(new_name, "the run to finish (a new trace file)", timeout_s, page)
+
+
+def wait_until_stable(page, read, quiet_ms: int, timeout_s: float = 30):
+    """The value of `read()` once it has not changed for `quiet_ms`."""
+    value, since, start = read(), time.monotonic(), time.monotonic()
+    while time.monotonic() - since < quiet_ms / 1000:
+        assert time.monotonic() - start < timeout_s, "the value never settled"
+        page.wait_for_timeout(100)
+        current = read()
+        if current != value:
+            value, since = current, time.monotonic()
+    return value
