@@ -11,10 +11,6 @@ from lab.distill.generate import DistillSettings, run_distill
 DEFAULT_OUT = "data/distill/{slug}"
 
 
-def _slug(model: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in model.rstrip("/").split("/")[-1])
-
-
 def _progress_bar(total_hint: int = 0):
     from tqdm import tqdm
 
@@ -31,6 +27,7 @@ def _progress_bar(total_hint: int = 0):
 
 def cmd_distill(args: argparse.Namespace) -> int:
     from lab.cli import _int_option
+    from lab.heads.common import model_slug
     from lab.models import load_model
     from lab.validation import validate_seed
 
@@ -48,7 +45,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     )
     settings.check()
     loaded = load_model(args.model, args.device, args.dtype)
-    out = Path(args.out or DEFAULT_OUT.format(slug=_slug(args.model)))
+    out = Path(args.out or DEFAULT_OUT.format(slug=model_slug(args.model)))
     run_distill(loaded, settings, out, _progress_bar())
     print(f"data in {out}", file=sys.stderr)
     return 0

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from lab.distill.prompts import distill_prompts
+from lab.heads.common import model_shape
 from lab.models import LoadedModel
 from lab.params import InputError
 
@@ -61,16 +62,6 @@ class DistillSettings:
             raise InputError("--top-k and --batch-size must be between 1 and 256.")
         if self.limit is not None and self.limit < 1:
             raise InputError("--limit must be at least 1.")
-
-
-def model_shape(loaded: LoadedModel) -> dict[str, int]:
-    """The numbers a head trained on this data must match."""
-    config = loaded.config
-    return {
-        "hidden_size": int(config.hidden_size),
-        "vocab_size": loaded.vocab_size,
-        "num_layers": loaded.num_layers,
-    }
 
 
 def _left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

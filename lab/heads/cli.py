@@ -42,7 +42,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     import torch
 
     from lab.cli import _int_option
-    from lab.distill.cli import DEFAULT_OUT, _slug
+    from lab.distill.cli import DEFAULT_OUT
     from lab.distill.dataset import load_distill
     from lab.heads.common import HEADS_DIR, model_shape, model_slug, save_heads
     from lab.models import load_model
@@ -64,7 +64,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         raise InputError("--epochs must be in (0, 100], --lr in (0, 1), --batch-size at least 1.")
     if not (1 <= options.heads <= 8 and 1 <= options.components <= 64):
         raise InputError("--heads must be 1..8 and --components 1..64.")
-    folders = args.data.split(",") if args.data else [DEFAULT_OUT.format(slug=_slug(args.model))]
+    folders = args.data.split(",") if args.data else [DEFAULT_OUT.format(slug=model_slug(args.model))]
     data = load_distill([folder.strip() for folder in folders if folder.strip()])
     loaded = load_model(args.model, args.device, "float32" if args.dtype == "auto" else args.dtype)
     if data.config["model_shape"] != model_shape(loaded):
