@@ -16,10 +16,10 @@ Acceptance modes:
 - sample (lossless): `accept_tree`'s sibling-by-sibling rule for deterministic candidates (SpecInfer /
   EAGLE-2): accept child x with probability p(x), else p(x) = 0, renormalise, try the next sibling, finally
   sample what is left. A drafter that samples a chain with known q (MTPC) uses `lab.sampling.accept_draft`.
-Tree size (`tree_nodes`, default 8) is a CPU trade-off: on the embedded model tau was 1.41 / 1.58 / 1.66 / 1.66
-for 4 / 8 / 16 / 24 nodes (Medusa, greedy, 4 builtin prompts, 128 tokens) while a verify forward costs about
-25.7 ms + 0.5 ms per token in bf16 on 2 cores (DESIGN.md 12), so 8 nodes gives the most tokens per second there;
-on a GPU larger trees are nearly free.
+Tree size (`tree_nodes`, default 8) is a CPU trade-off: with the shipped heads tau was 1.56 / 1.63 / 1.67 for
+8 / 12 / 16 nodes and the speedup over greedy 1.14x / 1.11x / 1.09x (`lab bench --strategies greedy,medusa
+--limit 8 --params medusa.tree_nodes=N`, bf16, 2 cores), since a verify forward costs about 25.7 ms + 0.5 ms per
+token there (DESIGN.md 12); on a GPU larger trees are nearly free.
 This module also hosts the tree decode loop `tree_decode_loop`, shared with `strategies.mtpc`.
 Not covered: repetition penalty (it would depend on each node's path), batching, Medusa-2.
 """
