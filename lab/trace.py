@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
@@ -211,6 +212,15 @@ class ThoughtNode:
     judgment: str = ""
     solver_value: float | None = None
     logprob: float | None = None
+
+
+def verdict_agreement(nodes: Iterable[ThoughtNode]) -> tuple[int, int]:
+    """(agree, compared) of the model's value verdicts against the exact solver, one count per emitted thought
+    that the model judged and the solver checked: the verdict agrees when "sure" / "likely" (reachable) meets
+    solver value 1 or "impossible" meets 0. The one definition the search's ThoughtResult, `lab eval tot` and
+    the ToT view all use."""
+    judged = [n for n in nodes if n.judgment and n.solver_value is not None]
+    return sum((n.judgment != "impossible") == (n.solver_value == 1.0) for n in judged), len(judged)
 
 
 @event_kind
