@@ -274,7 +274,9 @@ def serve_cell(code, cell, child, server, cap):
                 queries += 1
                 if queries > MAX_QUERIES:
                     raise ValueError(f"the REPL sent more than {MAX_QUERIES} llm_query frames in one cell")
-                query = {k: frame.get(k) for k in ("prompt", "text", "ranges")}
+                query = {k: str(frame.get(k, "")) for k in ("prompt", "text")}
+                ranges = frame.get("ranges")
+                query["ranges"] = ranges[:200] if isinstance(ranges, list) else []
                 write_frame(server[1], {"op": "llm_query", **query})
                 reply = read_frame(server[0], SERVER_FRAME)
                 write_frame(cmd_w, {"op": "llm_result", "text": str(reply.get("text", ""))}, _deadline())
