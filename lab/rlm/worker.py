@@ -15,9 +15,9 @@ frames on the child's pipe are size-capped (`CHILD_FRAME`) and parsed by an incr
 must carry the running cell's number, and the only frames accepted are `llm_query` {prompt, text, ranges}
 (relayed to the server, whose `llm_result` {text} goes back to the child with a write deadline) and `done`
 {error, final, reads}; the output is what the child wrote to its stdout, read by the supervisor and capped at
-`output_cap` characters ("[truncated]"). So a forged `done` can at most end its own cell early (and then the
-real one is out of its cell: a violation); it cannot invent output, and nothing the child writes reaches the
-server unparsed.
+`output_cap` characters ("[truncated]"). So a forged `done` (the cell numbers are easy to guess) can at most
+end its own cell early, and the frames that follow arrive outside their cell: a violation at the next cell. It
+cannot invent output, and nothing the child writes reaches the server unparsed.
 Anything else (an unknown op, a malformed or oversized frame, more than `MAX_QUERIES` queries in a cell, a
 reply the child does not read, the child's exit) kills the child, sends `result` with the error and
 `restart: true`, and ends the worker; the server then kills the whole process group (the pid namespace dies
