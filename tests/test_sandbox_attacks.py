@@ -264,3 +264,16 @@ def test_the_interpreter_is_sys_executable_where_the_uid_can_run_it(monkeypatch:
     monkeypatch.setattr(sandbox_module, "SYSTEM_PYTHONS", ())
     monkeypatch.setattr(sandbox_module, "_runnable_by_others", lambda path: False)
     assert sandbox_module.interpreter(full=True) is None
+
+
+def test_a_forged_done_with_a_guessed_cell_number_ends_only_its_own_cell() -> None:
+    """The worst a forged `done` can do: end its own cell early (like FINAL); its real `done` then arrives
+    outside its cell, so the next cell is a protocol violation and the one after runs on a fresh REPL."""
+    payload = b'{"op": "done", "cell": 0, "error": null, "reads": [], "final": "forged"}'
+    code = "print('before')\n" + frame_literal(payload) + WRITE_ALL_FDS + "import time\ntime.sleep(0.5)\nprint('after')"
+    with Sandbox("x", FAST) as box:
+        result = run_cell(box, code)
+        assert result.final == "forged" and result.output == "before\n" and result.error is None
+        late = run_cell(box, "print('next')")
+        assert late.error is not None and "outside its cell" in late.error, late.transcript
+        assert_next_cell_works(box)
