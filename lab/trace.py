@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
@@ -213,6 +214,15 @@ class ThoughtNode:
     logprob: float | None = None
 
 
+def verdict_agreement(nodes: Iterable[ThoughtNode]) -> tuple[int, int]:
+    """(agree, compared) of the model's value verdicts against the exact solver, one count per emitted thought
+    that the model judged and the solver checked: the verdict agrees when "sure" / "likely" (reachable) meets
+    solver value 1 or "impossible" meets 0. The one definition the search's ThoughtResult, `lab eval tot` and
+    the ToT view all use."""
+    judged = [n for n in nodes if n.judgment and n.solver_value is not None]
+    return sum((n.judgment != "impossible") == (n.solver_value == 1.0) for n in judged), len(judged)
+
+
 @event_kind
 @dataclass(frozen=True)
 class ThoughtStep:
@@ -333,7 +343,7 @@ class RlmContext:
     """What an RLM run works on (Zhang, Kraska, Khattab 2025): the question, the context's size (it lives in the
     sandboxed REPL, never in a prompt), the task that generated it ("pasted" for user text) with its known answer
     ("" when unknown), the mode (action = constrained grammar, code = free-form ```repl code) and the sandbox's
-    isolation level (full | basic)."""
+    isolation level (full | unisolated: `lab.rlm.sandbox.LEVEL_TEXT` says what each is)."""
 
     step: int
     question: str

@@ -2,7 +2,8 @@
 the model's window by letting the model inspect the context through a sandboxed Python REPL.
 
 The prompt is the question. The context is a generated task (`task`: needle / count / sum over synthetic logs
-of `context_tokens` tokens from `task_seed`, `lab.rlm.tasks`, with a known answer) or the text pasted in
+of `context_tokens` tokens from `task_seed`, `lab.rlm.tasks`, with a known answer; tally is the family whose
+answer needs a sub-call on every chunk) or the text pasted in
 `context_text` (`task` = pasted). With `use_task_question` on, a generated task's own question replaces the
 prompt (so its answer can be checked); otherwise the prompt is asked. The context lives only in the worker
 (`lab.rlm.sandbox`); the root sees its length and a prefix. `mode` = action (default; the model picks each
@@ -38,14 +39,16 @@ USER_TURN = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)
 @dataclass(frozen=True)
 class RlmParams(DecodeParams):
     mode: str = param("action", choices=("action", "code"), help="action: constrained grammar; code: free ```repl.")
-    task: str = param("needle", choices=("needle", "count", "sum", "pasted"), help="Context generator, or pasted.")
+    task: str = param(
+        "needle", choices=(*tasks.ALL_KINDS, "pasted"), help="Context generator (tally needs every chunk), or pasted."
+    )
     context_tokens: int = param(20_000, low=1_000, high=500_000, help="Size of the generated document in tokens.")
     task_seed: int = param(0, low=0, high=1_000_000, help="Seed of the generated document and question.")
     use_task_question: bool = param(True, help="Ask the task's own question (known answer), not the prompt.")
     context_text: str = param("", help="The context when task = pasted (any length up to 4M characters).")
     max_iterations: int = param(6, low=1, high=20, help="Root turns before the root must answer.")
     max_depth: int = param(2, low=1, high=3, help="Deepest llm_query level (1 = plain sub-calls, as in the paper).")
-    max_sub_calls: int = param(16, low=0, high=64, help="llm_query calls allowed in the run.")
+    max_sub_calls: int = param(64, low=0, high=512, help="llm_query calls allowed in the run.")
     max_total_tokens: int = param(100_000, low=1_000, high=2_000_000, help="Prompt + generated tokens, all calls.")
     sub_window: int = param(1024, low=128, high=8192, help="Tokens of text one sub-call sees (longer: split/cut).")
     output_chars: int = param(800, low=100, high=8000, help="REPL output characters shown back to the root.")

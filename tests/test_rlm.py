@@ -44,7 +44,7 @@ def test_trie_choice_matches_per_candidate_forwards(tiny) -> None:
 
 
 def test_generated_tasks_are_deterministic_and_correct() -> None:
-    for kind in tasks.KINDS:
+    for kind in tasks.ALL_KINDS:
         a, b = tasks.make_task(kind, 5_000, 3), tasks.make_task(kind, 5_000, 3)
         assert a == b and a != tasks.make_task(kind, 5_000, 4)
         assert 5_000 * 2.5 < len(a.context) < 5_000 * 3.5
@@ -54,23 +54,59 @@ def test_generated_tasks_are_deterministic_and_correct() -> None:
     count = tasks.make_task("count", 5_000, 1)
     label = count.question.rsplit(" ", 1)[1].rstrip("?")
     assert count.context.count(f"status {label}.") == int(count.answer)
+    tally = tasks.make_task("tally", 30_000, 2)
+    words = {w: i + 1 for i, w in enumerate(tasks.NUMBER_WORDS)}
+    pears = [
+        line.split(": ")[1].split()[0] for line in tally.context.splitlines() if line.endswith("of pears arrived.")
+    ]
+    assert sum(words[w] for w in pears) == int(tally.answer) and len(pears) == tally.facts
+    tenths = [tally.context.find("Shipment", i * len(tally.context) // 10) for i in range(10)]
+    assert all(0 <= a < b for a, b in zip(tenths, tenths[1:], strict=False))  # shipments in every tenth
+    assert all(b - a < len(tally.context) / 5 for a, b in zip(tenths, tenths[1:], strict=False))
     with pytest.raises(ValueError):
         tasks.make_task("needle", 10, 0)
 
 
-def test_grammar_offers_terms_peeks_and_printed_values() -> None:
+def test_grammar_offers_terms_peeks_map_add_and_a_generated_final() -> None:
     state = actions.ActionState("What is the secret code of Nora Falcon?", 90_000, "Log 00000")
     first = [a.text for a in actions.candidates(state, map_k=8)]
     assert 'grep("Nora Falcon")' in first and 'grep("Falcon")' in first and 'grep("the")' not in first
-    assert not any(t.startswith("FINAL") for t in first)  # nothing observed yet
-    observation = "[3343:3383] The secret code of Nora Falcon is 80036.\ncount of matching lines: 1\n"
-    state.history.append((actions.Action("grep", ("Falcon",)), observation + "total of their last numbers: 80036\n"))
+    assert not any(t.startswith("FINAL") or t == "add()" for t in first)  # nothing observed, nothing mapped yet
+    observation = "[3343:3383] The secret code of Nora Falcon is 80036.\n"
+    state.history.append((actions.Action("grep", ("Falcon",)), observation))
     second = [a.text for a in actions.candidates(state, map_k=0)]
-    assert "FINAL(80036)" in second and "FINAL(1)" in second and "FINAL(3343)" not in second
+    assert second.count("FINAL(") == 1 and not any(t.startswith("FINAL(") and t != "FINAL(" for t in second)
     assert 'grep("Falcon")' not in second and "peek(3193, 3533)" in second
-    assert not any(t.startswith("map") for t in second)
+    assert not any(t.startswith("map") for t in second) and "add()" not in second
+    state.history.append((actions.Action("map", (state.question, 4)), "chunk 0 [0:10]: 3\n"))
+    assert "add()" in [a.text for a in actions.candidates(state, map_k=0)]
     code = actions.Action("grep", ('x") + os.system("id',)).code()
     assert code == "_hits = grep(re.escape('x\") + os.system(\"id'))"  # arguments are quoted, never spliced
+    assert "count" not in actions.INSTRUCTIONS and "total of" not in actions.EXAMPLES  # generic helpers only
+
+
+def test_grep_prints_lines_and_offsets_only() -> None:
+    from lab.rlm.sandbox import Sandbox, SandboxLimits
+
+    context = "".join(f"Ticket {i}: status urgent.\n" for i in range(30))
+    with Sandbox(context, SandboxLimits(timeout_s=5)) as box:
+        cell = box.execute("hits = grep('urgent')\nprint(len(hits), hits[0])")
+        with pytest.raises(StopIteration) as stop:
+            next(cell)
+    lines = stop.value.value.output.splitlines()
+    assert lines[0] == "[0:24] Ticket 0: status urgent." and lines[20] == "[more matches not shown]"
+    assert all(actions.HIT.fullmatch(line) for line in lines[:20])  # lines and offsets only: no count, no total
+    assert lines[21] == "30 (0, 24, 'Ticket 0: status urgent.')"  # code may count what grep returns
+
+
+def test_final_answers_follow_the_reference_protocol() -> None:
+    from lab.rlm.loop import final_answer, final_var_name
+
+    assert final_answer("FINAL(42)\nHope this helps (really).") == "42"
+    assert final_answer("The code ran.\n  FINAL('Oslo') and more") == "Oslo"
+    assert final_answer("The answer is FINAL(3)") is None  # not at the start of a line
+    assert final_var_name("done\nFINAL_VAR(total)\n") == "total" and final_var_name("FINAL_VAR('x y')") is None
+    assert final_var_name("see FINAL_VAR(total)") is None
 
 
 def test_answer_matching() -> None:
@@ -110,17 +146,19 @@ def test_pasted_context_and_bad_input(tiny) -> None:
 
 
 @pytest.mark.embedded
-@pytest.mark.parametrize("kind, seed, size", [("needle", 0, 20_000), ("needle", 3, 100_000), ("sum", 1, 20_000)])
-def test_embedded_model_completes_tasks_in_action_mode(embedded, kind: str, seed: int, size: int) -> None:
-    """Retrieval and aggregation the 135M model gets right here (the eval reports its accuracy overall)."""
-    params = build_params(RLM.Params, {"task": kind, "context_tokens": size, "task_seed": seed})
+@pytest.mark.parametrize("kind, seed, size", [("needle", 0, 20_000), ("count", 1, 20_000)])
+def test_embedded_model_runs_generated_tasks_in_action_mode(embedded, kind: str, seed: int, size: int) -> None:
+    """The mechanism on the 135M model: the root only ever sees metadata and REPL output, every sub-call hangs
+    under the root turn that made it, and a FINAL answer is the model's own text (accuracy is the eval's job)."""
+    params = build_params(RLM.Params, {"task": kind, "context_tokens": size, "task_seed": seed, "max_iterations": 4})
     prompt_ids = embedded.encode("unused: the task's own question is asked")
     events = list(RLM.run(embedded, prompt_ids, params, make_generator(0, embedded.device)))
     result = next(e for e in events if isinstance(e, RlmResult))
-    assert result.stop == "final" and result.correct, [e.action for e in events if isinstance(e, ReplCall)]
-    assert events[0].context_tokens > 15_000  # far beyond what the root ever saw
-    prompts = [e.prompt_tokens for e in events if isinstance(e, ReplCall) and e.role == "root"]
-    assert max(prompts) < 2_500
+    calls = [e for e in events if isinstance(e, ReplCall)]
+    roots = [c for c in calls if c.role == "root"]
+    assert events[0].context_tokens > 15_000 and max(c.prompt_tokens for c in roots) < 2_500
+    assert all(c.parent_id in {r.call_id for r in calls} for c in calls if c.role == "sub")
+    assert result.stop == "final" and roots[-1].action == f"FINAL({result.answer})" and roots[-1].final == result.answer
 
 
 def test_code_mode_runs_repl_blocks_sub_calls_and_final_var(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,7 +170,7 @@ def test_code_mode_runs_repl_blocks_sub_calls_and_final_var(tiny, monkeypatch: p
         [
             "```repl\nwhile True:\n    pass\n```",
             "```repl\npart = context[0:40]\nnote = llm_query('Summarize', part)\nprint(len(context))\n```",
-            "Done: FINAL_VAR(note)",
+            "Done.\nFINAL_VAR(note)",
         ]
     )
     real_generate = loop.lm.generate

@@ -33,6 +33,12 @@ def test_call_tree_links_sub_calls_to_their_parent_turn() -> None:
     assert len(list(edges.x)) == 3 * 3  # two sub-call edges and the root-to-root spine, None separated
     assert roots.marker.color[1] == "#ff7f0e" and subs.marker.color[1] == "#d62728"  # answer orange, error red
     assert "ranges read: [0:100]" in subs.hovertext[0]
+    assert "REPL: full sandbox" in fig.layout.title.text
+
+
+def test_the_isolation_level_is_shown_before_any_call() -> None:
+    unisolated = RlmContext(0, "q", "count", "3", 1000, 300, "Log 0", "action", "unisolated")
+    assert "NOT a sandbox" in call_tree_figure([unisolated]).layout.title.text
 
 
 def test_coverage_map_rows_and_union() -> None:

@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from lab.rlm import sandbox as sandbox_module
-from lab.rlm.sandbox import ExecResult, Isolation, Sandbox, SandboxLimits, code_mode_refusal, probe_isolation
+from lab.rlm.sandbox import (
+    LEVEL_TEXT,
+    ExecResult,
+    Isolation,
+    Sandbox,
+    SandboxLimits,
+    code_mode_refusal,
+    probe_isolation,
+)
 
 HOST_SECRET = "host-secret-" + uuid.uuid4().hex  # a host global no sandboxed program may reach
 FAST = SandboxLimits(timeout_s=2.0, cpu_s=10, memory_bytes=512 << 20, output_cap=4000)
@@ -115,7 +123,7 @@ def test_environment_is_empty_and_temp_dir_private_and_removed() -> None:
         )
         assert result.error is None
         environ, cwd = result.output.splitlines()
-        assert environ in ("{}", "{'LC_CTYPE': 'C.UTF-8'}")  # empty; Python's own locale coercion (PEP 538) may add one
+        assert environ in ("{}", "{'LC_CTYPE': 'C.UTF-8'}")  # empty; Python's locale coercion (PEP 538) may add one
         assert cwd == tmpdir
         assert (os.stat(tmpdir).st_mode & 0o777) == 0o700
     assert not os.path.exists(tmpdir)
@@ -191,9 +199,9 @@ def test_llm_query_goes_through_the_parent_with_ranges() -> None:
         assert stop.value.value.output == "B\n" and [6, 22] in stop.value.value.reads
 
 
-def test_forged_frames_are_a_protocol_violation() -> None:
+def test_garbage_frames_are_a_protocol_violation() -> None:
     with Sandbox("x", FAST) as box:
-        result = run_cell(box, "import os\nfor fd in range(3, 8):\n    try:\n        os.write(fd, b'\\xff' * 8)\n"
+        result = run_cell(box, "import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'\\xff' * 8)\n"
                           "    except OSError:\n        pass\nwhile True:\n    pass")  # fmt: skip
         assert result.error is not None and "protocol violation" in result.error
         assert_next_cell_works(box)
@@ -205,17 +213,20 @@ def test_final_and_final_var() -> None:
         assert run_cell(box, "answer = 'seven'\nFINAL_VAR('answer')").final == "seven"
 
 
-def test_code_mode_is_refused_without_full_isolation(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sandbox_module, "probe_isolation", lambda: Isolation("basic", "no namespaces here"))
-    monkeypatch.delenv(sandbox_module.ALLOW_UNISOLATED_ENV, raising=False)
+def test_code_mode_is_refused_without_full_isolation_and_names_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    missing = ("the unshare command", "libseccomp (the Debian package libseccomp2)")
+    monkeypatch.setattr(sandbox_module, "probe_isolation", lambda: Isolation("unisolated", missing))
+    monkeypatch.setenv("DECODING_LAB_RLM_ALLOW_UNISOLATED", "1")  # the old opt-out no longer exists
     refusal = code_mode_refusal()
-    assert refusal is not None and "no namespaces here" in refusal and sandbox_module.ALLOW_UNISOLATED_ENV in refusal
-    monkeypatch.setenv(sandbox_module.ALLOW_UNISOLATED_ENV, "1")
-    assert code_mode_refusal() is None
+    assert refusal is not None and all(m in refusal for m in missing)
+    assert "NOT a sandbox" in Isolation("unisolated", missing).description
+    assert LEVEL_TEXT["full"].startswith("sandbox:") and LEVEL_TEXT["unisolated"].startswith("NOT a sandbox")
 
 
-def test_basic_isolation_still_runs_the_audit_layer() -> None:
-    with Sandbox("x", FAST, isolation="basic") as box:
+def test_unisolated_level_still_runs_the_audit_layer() -> None:
+    with Sandbox("x", FAST, isolation="unisolated") as box:
         assert (
             run_cell(box, "import os\nos.system('true')").error == "PermissionError: sandbox: os.system is not allowed"
         )

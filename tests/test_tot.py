@@ -112,7 +112,9 @@ def test_bfs_with_model_value_events_statuses_and_limits(tiny):
         kept = sorted((n for n in level if n.status != "pruned"), key=lambda n: -n.value)
         assert len(kept) == 2 and min(n.value for n in kept) >= max(n.value for n in level if n.status == "pruned")
     result = of(events, ThoughtResult)[0]
-    assert result.value_calls > 0 and result.compared == result.value_calls and 0 <= result.agree <= result.compared
+    judged = [n for n in nodes if n.judgment]
+    assert result.value_calls > 0 and result.compared == len(judged) and 0 <= result.agree <= result.compared
+    assert (result.agree, result.compared) == agreement(events)  # one definition: search, eval and view
     assert result.solved == (nodes[result.path[-1]].status == "solution")
 
 
@@ -225,9 +227,9 @@ def test_cot_answers_are_checked_exactly():
 
 def test_eval_rows_on_a_tiny_model(tiny):
     result = run_eval(tiny, [[4, 9, 10, 13], [1, 1, 1, 1]], SearchConfig(k=3, breadth=2), seed=0)
-    assert isinstance(result, EvalResult) and len(result.runs) == 6
+    assert isinstance(result, EvalResult) and len(result.runs) == 8
     rows = {row["method"]: row for row in result.rows()}
-    assert set(rows) == {"ToT (model value)", "ToT (solver value)", "CoT sampling, best of N"}
+    assert set(rows) == {"ToT (model value)", "ToT (model vote)", "ToT (solver value)", "CoT sampling, best of N"}
     cot = [r for r in result.runs if r.method == "cot"]
     tot = [r for r in result.runs if r.method == "tot-model"]
     assert [r.model_calls for r in cot] == [r.model_calls for r in tot]  # same number of model calls
@@ -235,7 +237,7 @@ def test_eval_rows_on_a_tiny_model(tiny):
     assert result.compared > 0 and "agrees on" in format_table(result)
     assert result.as_dict()["value_vs_solver"]["compared"] == result.compared
     without_cot = run_eval(tiny, [[4, 9, 10, 13]], SearchConfig(k=2, breadth=1), seed=0, cot=False)
-    assert {r.method for r in without_cot.runs} == {"tot-model", "tot-solver"}
+    assert {r.method for r in without_cot.runs} == {"tot-model", "tot-vote", "tot-solver"}
 
 
 def test_eval_cli_rejects_bad_options_before_loading(capsys):
@@ -261,3 +263,26 @@ def test_embedded_model_solves_a_puzzle_with_solver_value(embedded):
     assert game24.check_expression(lines[3].removeprefix("Answer: "), [4, 9, 10, 13])
     assert embedded.decode(embedded.encode("4 9 10 13")) != "4 9 10 13"  # chat-wrapped, then unwrapped
     assert prompt_text(embedded, embedded.encode("4 9 10 13")) == "4 9 10 13"
+
+
+def test_vote_and_value_options_are_full_sequences_none_a_prefix_of_another(tiny, monkeypatch):
+    """SmolLM2 splits digits: p(" 1") would include " 10" ... " 19", so every scored option ends its line."""
+    from lab.tot.lm import CallModel
+    from lab.tot.prompts import VALUE_WORDS
+
+    seen: list[list[str]] = []
+    score_many = CallModel.score_many
+
+    def record(self, prefix, queries):
+        seen.extend(o for _, o in queries if all(x.strip().isdigit() or x.strip() in VALUE_WORDS for x in o))
+        return score_many(self, prefix, queries)
+
+    monkeypatch.setattr(CallModel, "score_many", record)
+    run_tot(tiny, k=6, breadth=2, value="vote")
+    run_tot(tiny, k=3, breadth=2, value="model")
+    assert (
+        any(len(options) >= 10 for options in seen) and [" sure\n", " likely\n", " impossible\n"] in seen
+    )  # a vote over 12 choices: " 1\n" vs " 10\n" .. " 12\n"
+    for options in seen:
+        assert all(o.endswith("\n") for o in options)
+        assert not any(a != b and b.startswith(a) for a in options for b in options)

@@ -1,7 +1,8 @@
 """Recursive Language Models' live views (Zhang, Kraska, Khattab 2025), drawn from `ReplCall` events.
 
 Covers three figures, each with an empty state before the first call:
-- `call_tree_figure`: the recursion tree: root turns (x = depth 0, top to bottom in order) and the llm_query
+- `call_tree_figure`: the recursion tree (its title names the REPL's isolation level: full sandbox, or not a
+  sandbox): root turns (x = depth 0, top to bottom in order) and the llm_query
   sub-calls each made (x = depth), linked to their parent; hover shows the action or code, the output, the
   context ranges read, tokens and latency; failed calls are red, the answering turn orange;
 - `coverage_figure`: which characters of the context each call read (one row per call, bars over character
@@ -27,6 +28,10 @@ ROLE_COLORS = {"root": STATUS_COLORS["bonus"], "sub": STATUS_COLORS["accepted"]}
 ERROR_COLOR, FINAL_COLOR = STATUS_COLORS["rejected"], STATUS_COLORS["recovered"]
 SYMBOLS = {"root": "square", "sub": "circle"}
 LEGEND = {"orientation": "h", "x": 1.0, "xanchor": "right", "y": 1.0, "yanchor": "bottom"}
+ISOLATION_TEXT = {  # RlmContext.isolation -> what the REPL ran in (lab.rlm.sandbox.LEVEL_TEXT in short)
+    "full": "full sandbox (private uid, namespaces, capped tmpfs, Landlock, seccomp)",
+    "unisolated": "NOT a sandbox (separate process, resource limits only)",
+}
 
 
 def _esc(text: str) -> str:
@@ -89,10 +94,18 @@ def _color(call: ReplCall) -> str:
     return FINAL_COLOR if call.final is not None else ROLE_COLORS.get(call.role, STATUS_COLORS["target"])
 
 
+def isolation_text(events: list[Event]) -> str:
+    """The isolation level the run's REPL had, in words ("" before the RlmContext event)."""
+    context = _context(events)
+    return "" if context is None else ISOLATION_TEXT.get(context.isolation, context.isolation)
+
+
 def call_tree_figure(events: list[Event]) -> go.Figure:
-    """The recursion tree: root turns down the left, sub-calls to the right at their depth."""
+    """The recursion tree: root turns down the left, sub-calls to the right at their depth; the title names the
+    REPL's isolation level."""
     calls = _ordered(_calls(events))
-    title = "RLM call tree: root turns → code → llm_query sub-calls"
+    level = isolation_text(events)
+    title = "RLM call tree: root turns → code → llm_query sub-calls" + (f"<br>REPL: {level}" if level else "")
     if not calls:
         return empty_figure(title, PLACEHOLDER)
     row = {call.call_id: index for index, call in enumerate(calls)}

@@ -23,7 +23,7 @@ import textwrap
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from lab.trace import Event, ThoughtNode, ThoughtResult, ThoughtStep, TokenEmitted
+from lab.trace import Event, ThoughtNode, ThoughtResult, ThoughtStep, TokenEmitted, verdict_agreement
 from visualizers.style import STATUS_COLORS, base_layout
 from visualizers.topk import empty_figure
 from visualizers.view import StrategyView
@@ -210,10 +210,8 @@ def frontier_figure(events: list[Event]) -> go.Figure:
 
 
 def agreement(events: list[Event]) -> tuple[int, int]:
-    """(agree, compared): model verdicts (sure or likely vs impossible) against the exact solver, per node."""
-    judged = [n for n in _nodes(events).values() if n.judgment and n.solver_value is not None]
-    agree = sum((n.judgment != "impossible") == (n.solver_value == 1.0) for n in judged)
-    return agree, len(judged)
+    """(agree, compared): `lab.trace.verdict_agreement` over the thoughts emitted so far (the eval's definition)."""
+    return verdict_agreement(_nodes(events).values())
 
 
 def counters_figure(events: list[Event]) -> go.Figure:

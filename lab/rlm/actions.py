@@ -2,15 +2,17 @@
 prompt it chooses from, and the REPL code each action becomes.
 
 A 135M model cannot write RLM's Python, so each root turn picks one action from a small grammar:
-    action := grep("TERM") | peek(START, END) | map("QUESTION", K) | FINAL(VALUE)
+    action := grep("TERM") | peek(START, END) | map("QUESTION", K) | add() | FINAL(ANSWER)
 where TERM ranges over the question's key words and names, START/END over windows around the last grep hits
-(and the document's start), K is fixed by the context length and the sub-call budget, and VALUE over the values
-the REPL has printed so far (grep's count of matching lines and the sum of their last numbers, the last number
-of each matching line, the map's answers, numbers in a peeked text). The caller decodes with the model
-constrained to the allowed action strings (`lab.rlm.lm.choose`: masked log-probs over the token trie of the
-candidates, exact argmax) and runs the result. Each action becomes ordinary REPL
-code (`Action.code`), executed by the same sandbox as free-form code mode, calling its helpers grep / peek /
-chunks / llm_query on `context`.
+(and the document's start), K is fixed by the context length and the sub-call budget. The helpers are generic:
+grep prints matching lines with their offsets (the first 20, nothing counted or summed), map splits the
+context into K chunks and `llm_query`s the question on each (the sub-model's answers are printed), add() sums
+the first number of each map answer (the combine step of split / query / combine, chosen by the model, never
+run for it). The caller scores the allowed actions with the model constrained to their strings
+(`lab.rlm.lm.choose`: masked log-probs over the token trie of the candidates, exact argmax); when it picks
+"FINAL(", the ANSWER is the model's own greedy continuation up to ")" (`lab.rlm.lm.generate`), not a choice
+among printed values. Each action becomes ordinary REPL code (`Action.code`), run by the same sandbox as code
+mode, calling its helpers grep / peek / chunks / llm_query on `context`.
 Deliberate differences from the paper (which lets a frontier model write any code): the grammar and the
 candidate arguments are the project's; FINAL is only offered after at least one observation, and an action is
 never repeated.
@@ -28,17 +30,16 @@ _STOPWORDS_TEXT = (
     "give tell me please find number value"
 )
 STOPWORDS = frozenset(_STOPWORDS_TEXT.split(" "))
-MAX_TERMS, MAX_FINALS, MAX_PEEKS = 6, 10, 3
+MAX_TERMS, MAX_PEEKS, ANSWER_TOKENS = 6, 3, 12
 HIT = re.compile(r"^\[(\d+):(\d+)\] (.*)$", re.M)
-GREP_COUNT = re.compile(r"^count of matching lines: (\d+)$", re.M)
-GREP_TOTAL = re.compile(r"^total of their last numbers: (\d+)$", re.M)
-MAP_LINE = re.compile(r"^chunk \d+ \[\d+:\d+\]: (.*)$", re.M)
+FINAL_PREFIX = "FINAL("
 
 INSTRUCTIONS = """You answer questions about a long document. It is stored in a Python REPL as the variable `context`; \
 you never see it whole. Each step, choose one action:
-grep("word") prints the lines that contain a word, their count and the total of their last numbers.
+grep("word") prints the first lines that contain a word, with their positions.
 peek(start, end) prints the characters from start to end.
 map("question", k) splits the document into k chunks and asks a helper model the question about each chunk.
+add() adds up the numbers the helper model answered for the chunks.
 FINAL(answer) gives the answer.
 """
 
@@ -47,19 +48,19 @@ Document: 90512 characters, starting: 'Entry 00000: rain in Bonn'.
 Action: grep("Anna Berg")
 Result:
 [40211:40249] The secret code of Anna Berg is 55120.
-count of matching lines: 1
-total of their last numbers: 55120
 Action: FINAL(55120)
 
 Question: How many parcels have status delayed?
 Document: 120344 characters, starting: 'Entry 00000: wind in Graz'.
-Action: grep("delayed")
+Action: map("How many parcels have status delayed?", 4)
 Result:
-[811:849] Parcel 4410 from Bonn: status delayed.
-[5120:5158] Parcel 2093 from Graz: status delayed.
-[7301:7339] Parcel 7718 from Linz: status delayed.
-count of matching lines: 23
-total of their last numbers: 93207
+chunk 0 [0:30086]: 5
+chunk 1 [30086:60172]: 7
+chunk 2 [60172:90258]: 6
+chunk 3 [90258:120344]: 5
+Action: add()
+Result:
+sum of the chunk answers: 23
 Action: FINAL(23)
 
 Question: How many apples did Lars Holm pick in total?
@@ -69,16 +70,22 @@ Result:
 [7012:7049] Crate 3301: Lars Holm picked 30 apples.
 [19924:19961] Crate 8120: Lars Holm picked 21 apples.
 [40150:40187] Crate 5512: Lars Holm picked 13 apples.
-count of matching lines: 3
-total of their last numbers: 64
+Action: map("How many apples did Lars Holm pick in total?", 3)
+Result:
+chunk 0 [0:20073]: 30
+chunk 1 [20073:40146]: 21
+chunk 2 [40146:60219]: 13
+Action: add()
+Result:
+sum of the chunk answers: 64
 Action: FINAL(64)
 """
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # grep | peek | map | final
-    args: tuple
+    kind: str  # grep | peek | map | add | final
+    args: tuple  # final: (answer,) once generated; () while it is the bare "FINAL(" choice
 
     @property
     def text(self) -> str:
@@ -89,7 +96,9 @@ class Action:
             return f"peek({self.args[0]}, {self.args[1]})"
         if self.kind == "map":
             return f'map("{self.args[0]}", {self.args[1]})'
-        return f"FINAL({self.args[0]})"
+        if self.kind == "add":
+            return "add()"
+        return FINAL_PREFIX + (f"{self.args[0]})" if self.args else "")
 
     def code(self) -> str:
         """The REPL code this action runs (arguments are repr()-quoted: no injection from the context)."""
@@ -103,6 +112,11 @@ class Action:
                 f"for _i, (_a, _b) in enumerate(chunks({int(self.args[1])})):\n"
                 f"    _answers.append(llm_query({self.args[0]!r}, context[_a:_b]))\n"
                 "    print(f'chunk {_i} [{_a}:{_b}]: ' + _answers[-1].strip().replace(chr(10), ' ')[:80])"
+            )
+        if self.kind == "add":
+            return (
+                "_numbers = [re.findall(r'-?\\d+', _a.replace(',', ''))[:1] for _a in _answers]\n"
+                "print('sum of the chunk answers:', sum(int(_n[0]) for _n in _numbers if _n))"
             )
         return f"FINAL({self.args[0]!r})"
 
@@ -127,23 +141,9 @@ def key_terms(question: str) -> list[str]:
     return list(dict.fromkeys(ordered))[:MAX_TERMS]
 
 
-def final_values(history: list[tuple[Action, str]]) -> list[str]:
-    """Answer candidates: what the REPL printed (grep's count and total, the last number of each hit line, the
-    map's chunk answers, numbers in a peeked text), most recent observation first."""
-    values: list[str] = []
-    for action, observation in reversed(history):
-        values += GREP_COUNT.findall(observation) + GREP_TOTAL.findall(observation)
-        values += [re.findall(r"\d+", line)[-1] for _, _, line in HIT.findall(observation) if re.search(r"\d", line)]
-        for answer in MAP_LINE.findall(observation):
-            if not answer.startswith("[error"):
-                values.append((re.findall(r"\d+", answer)[:1] or [answer.strip()[:40]])[0])
-        if action.kind == "peek":
-            values += re.findall(r"(?<![\[:\d])\d+(?![\]:\d])", observation)[:4]
-    return [v for v in dict.fromkeys(values) if v and '"' not in v and ")" not in v][:MAX_FINALS]
-
-
 def candidates(state: ActionState, map_k: int) -> list[Action]:
-    """Every action the grammar allows now (never one already taken); map only when map_k >= 2."""
+    """Every action the grammar allows now (never one already taken): map only when map_k >= 2, add() only after
+    a map, the bare "FINAL(" only after an observation (its answer is generated, see the module docstring)."""
     done = {action for action, _ in state.history}
     options = [Action("grep", (term,)) for term in key_terms(state.question)]
     if state.history:
@@ -152,7 +152,10 @@ def candidates(state: ActionState, map_k: int) -> list[Action]:
     options.append(Action("peek", (0, min(state.context_chars, 600))))
     if map_k >= 2:
         options.append(Action("map", (state.question, map_k)))
-    options += [Action("final", (value,)) for value in final_values(state.history)]
+    if any(action.kind == "map" for action in done):
+        options.append(Action("add", ()))
+    if state.history:
+        options.append(Action("final", ()))
     return [action for action in options if action not in done]
 
 

@@ -2,10 +2,12 @@
 long context, a sandboxed REPL that holds it, and sub-model calls the REPL makes through `llm_query`.
 
 Each root turn: 1. the root model acts (code mode: writes text with ```repl blocks, as in the paper's system
-prompt; action mode: picks one action of `lab.rlm.actions`' grammar by constrained scoring), 2. the code runs
+prompt; action mode: picks one action of `lab.rlm.actions`' grammar by constrained scoring, and writes the
+answer of FINAL( itself), 2. the code runs
 in the worker (`lab.rlm.sandbox`), whose llm_query calls are served here as sub-calls (depth + 1), 3. the REPL
 output, truncated to `output_chars`, goes back into the root's history, 4. the run stops at FINAL(answer) /
-FINAL_VAR(name), or at the iteration / token limit, when the root is asked once more for an answer.
+FINAL_VAR(name) (code mode: on a line of its own, `^\\s*FINAL\\((.*?)\\)` as in alexzhang13/rlm, or called in
+the REPL), or at the iteration / token limit, when the root is asked once more for an answer.
 Sub-calls: the sub-model sees "<text>\n\n<prompt>" as one chat turn, text cut to `sub_window` tokens; a text
 longer than that is split in parts answered recursively one level deeper (then their answers are combined by
 one more call) while depth < max_depth, and truncated (marked) at the depth limit. The paper's sub-calls are
@@ -27,8 +29,9 @@ from lab.rlm import actions, lm
 from lab.rlm.sandbox import ExecResult, Sandbox, SandboxLimits
 from lab.trace import Event, ReplCall
 
-FINAL_VAR = re.compile(r"FINAL_VAR\(\s*['\"]?([A-Za-z_]\w*)['\"]?\s*\)")
-FINAL = re.compile(r"FINAL\((.*)\)", re.S)
+FINAL_VAR = re.compile(r"^\s*FINAL_VAR\((.*?)\)", re.M)  # alexzhang13/rlm's protocol: on a line of its own
+FINAL = re.compile(r"^\s*FINAL\((.*?)\)", re.M)  # non-greedy, one line: "FINAL(42)\nThanks (really)." -> 42
+VARIABLE = re.compile(r"[A-Za-z_]\w*")
 REPL_BLOCK = re.compile(r"```(?:repl|python)[ \t]*\n(.*?)```", re.S)
 NO_CODE = "No ```repl block found: write code, or answer with FINAL(answer)."
 OUTPUT_SHOWN = 400  # characters of an output kept in the trace event
@@ -56,7 +59,7 @@ class RlmConfig:
     mode: str = "action"  # action | code
     max_iterations: int = 6
     max_depth: int = 2
-    max_sub_calls: int = 16
+    max_sub_calls: int = 64
     max_total_tokens: int = 100_000
     sub_window: int = 1024
     output_chars: int = 800
@@ -157,6 +160,14 @@ class RlmRun:
         self._count(choice.prompt_tokens, choice.trie_tokens, 2)
         return choice
 
+    def _generate_answer(self, state: actions.ActionState) -> tuple[str, lm.Generation]:
+        """The model's own ANSWER after "Action: FINAL(": greedy, up to ")" or the end of the line."""
+        text = actions.prompt(state, self.config.output_chars) + " " + actions.FINAL_PREFIX
+        ids = self.loaded.tokenizer(text)["input_ids"]
+        gen = lm.generate(self.loaded, ids, actions.ANSWER_TOKENS, stop=lambda t: ")" in t or "\n" in t)
+        self._count(gen.prompt_tokens, gen.output_tokens, gen.forwards)
+        return re.split(r"[)\n]", gen.text, maxsplit=1)[0].strip().strip("\"'"), gen
+
     def _action_turn(self, sandbox: Sandbox, state: actions.ActionState, last: bool) -> Generator[Event, None, bool]:
         """One constrained root turn; returns True when it answered."""
         call_id, start = self._new_id(), time.perf_counter()
@@ -165,9 +176,13 @@ class RlmRun:
         allowed = actions.candidates(state, actions.map_chunks(len(self.context), chunk_chars, sub_left))
         finals = [a for a in allowed if a.kind == "final"]
         if last and finals:
-            allowed = finals  # out of steps: the model must pick an answer from what it has seen
+            allowed = finals  # out of steps: the model must answer now
         choice = self._choose(state, allowed)
         action = allowed[choice.index]
+        output_tokens = choice.trie_tokens
+        if action.kind == "final":
+            answer, gen = self._generate_answer(state)
+            action, output_tokens = actions.Action("final", (answer,)), output_tokens + gen.output_tokens
         self.outcome.root_calls += 1
         result = yield from self._execute(sandbox, action.code(), call_id, 0)
         observation = result.transcript
@@ -176,7 +191,7 @@ class RlmRun:
             self.outcome.answer, self.outcome.stop = str(action.args[0]), "final"
         yield ReplCall(
             call_id, call_id, -1, 0, "root", action.code(), action.text, result.reads, observation[:OUTPUT_SHOWN],
-            result.error or "", choice.prompt_tokens, choice.trie_tokens, round(time.perf_counter() - start, 4),
+            result.error or "", choice.prompt_tokens, output_tokens, round(time.perf_counter() - start, 4),
             str(action.args[0]) if action.kind == "final" else None, [a.text for a in allowed], choice.logprobs,
         )  # fmt: skip
         return action.kind == "final"
@@ -228,11 +243,11 @@ class RlmRun:
             reads += result.reads
             errors += [result.error] if result.error else []
             final = result.final if result.final is not None else final
-        if final is None and (match := FINAL_VAR.search(prose)):
-            result = yield from self._execute(sandbox, f"FINAL_VAR({match.group(1)!r})", call_id, 0)
+        if final is None and (name := final_var_name(prose)):
+            result = yield from self._execute(sandbox, f"FINAL_VAR({name!r})", call_id, 0)
             final, errors = result.final, errors + ([result.error] if result.error else [])
-        elif final is None and (match := FINAL.search(prose)):
-            final = match.group(1).strip().strip("\"'")
+        elif final is None and (answer := final_answer(prose)) is not None:
+            final = answer
         observation = "\n".join(outputs) if blocks else NO_CODE
         messages += [{"role": "assistant", "content": gen.text}, {"role": "user", "content": self._shown(observation)}]
         if final is not None:
@@ -264,8 +279,8 @@ class RlmRun:
                 return
         messages.append({"role": "user", "content": "You have no steps left. Answer now with FINAL(your answer)."})
         gen = self._root_generate(messages)
-        match = FINAL.search(gen.text)
-        self.outcome.answer = (match.group(1) if match else gen.text).strip().strip("\"'")
+        answer = final_answer(gen.text)
+        self.outcome.answer = answer if answer is not None else gen.text.strip()
 
     def events(self, sandbox: Sandbox) -> Iterator[Event]:
         """The run's ReplCall events; `self.outcome` holds the answer and totals afterwards."""
@@ -273,6 +288,19 @@ class RlmRun:
             yield from self._run_code(sandbox)
         else:
             yield from self._run_actions(sandbox)
+
+
+def final_answer(text: str) -> str | None:
+    """The answer of a FINAL(...) that starts a line (alexzhang13/rlm's `^\\s*FINAL\\((.*?)\\)`), unquoted."""
+    match = FINAL.search(text)
+    return match.group(1).strip().strip("\"'") if match else None
+
+
+def final_var_name(text: str) -> str | None:
+    """The variable of a FINAL_VAR(name) that starts a line, when it is an identifier (quotes allowed)."""
+    match = FINAL_VAR.search(text)
+    name = match.group(1).strip().strip("\"'") if match else ""
+    return name if VARIABLE.fullmatch(name) else None
 
 
 def answer_matches(answer: str, expected: str) -> bool:

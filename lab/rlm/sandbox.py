@@ -1,25 +1,30 @@
-"""The parent side of the RLM sandbox: one isolated worker process per run, driven over a pipe.
+"""The parent side of the RLM sandbox: one isolated worker per run, driven over a pipe it treats as hostile.
 
-Model-written code never runs in the server's process. `Sandbox` starts `lab/rlm/worker.py` (stdlib only) as
-`unshare --net -- setpriv --reuid=U --regid=U --clear-groups --inh-caps=-all --bounding-set=-all
---no-new-privs /usr/bin/python3 -I -S -B -c <worker>` with:
-- a fresh unprivileged uid U per sandbox (from a private range, so RLIMIT_NPROC, signals, ptrace and /proc of
-  one run never reach another run) and a new network namespace (no interfaces up: loopback is unreachable);
-- an empty environment, a new session (the wall-clock timeout kills the whole process group), and a private
-  temp dir (mode 0700, owned by U) as cwd, removed when the sandbox closes;
-- resource limits, Landlock and an audit hook set by the worker itself before the first untrusted line
-  (see `lab.rlm.worker`); frames from the worker are capped (`MAX_FRAME`), REPL output is capped with
-  "[truncated]" inside the worker and again here.
-`execute(code)` is a generator: it yields `SubQuery` for every `llm_query` the code makes (the caller answers
-with `.send(text)`, which is how sub-model calls reach the parent and nothing else does) and returns an
-`ExecResult`. A timeout, a crash, `os._exit` or a protocol violation kills the worker and yields an error
-result; the next `execute` starts a fresh worker (the REPL's variables are lost, the context is reloaded).
+Model-written code never runs in the server's process. At the "full" level `Sandbox` starts
+`lab/rlm/worker.py` (stdlib only, preceded by `lab/rlm/confine.py`) as
+`unshare --net --mount --pid --fork --kill-child -- sh -c 'mount -t tmpfs -o size=... DIR && cd DIR && exec
+setpriv --reuid=U --regid=U --clear-groups --inh-caps=-all --bounding-set=-all --no-new-privs PYTHON -I -S -B -c
+<worker>'` with:
+- a fresh unprivileged uid U per sandbox (from a private range, so RLIMIT_NPROC and /proc of one run never
+  reach another run); a new network namespace (no interface up: loopback is unreachable); a new pid namespace
+  (the worker is its init: when it dies every process of the run dies); a new mount namespace whose tmpfs over
+  the run's folder caps its total size (`folder_bytes`) and file count;
+- an empty environment, a new session (the whole process group is SIGKILLed on a timeout, a violation or
+  close), PYTHON = `sys.executable` when the sandbox uid can run it, else the configured DECODING_LAB_RLM_PYTHON
+  or a system python3 (the worker needs only the stdlib);
+- inside (see `lab.rlm.worker` / `lab.rlm.confine`): a supervisor holding the channel, Landlock and a seccomp
+  filter, and a REPL child without the channel's fds, under rlimits, a nested Landlock domain and an audit hook.
+Every frame from the worker is hostile: size-capped (`MAX_FRAME`), read and written with deadlines (select on
+non-blocking fds), any exception while parsing (RecursionError included) ends the cell with a clean
+"protocol violation" error, and the worker is killed by process group; the next `execute` starts a fresh one.
+`execute(code)` is a generator: it yields `SubQuery` for every `llm_query` (answer with `.send(text)`) and
+returns an `ExecResult`.
 
-Isolation levels (`probe_isolation`): "full" needs root (to switch to the private uid), `unshare`, `setpriv`,
-a network namespace and Landlock; otherwise "basic" (a plain child process with the same limits and audit
-hook: no uid switch, no network namespace, no Landlock). Free-form code mode requires "full" unless the
-operator sets DECODING_LAB_RLM_ALLOW_UNISOLATED=1; constrained mode runs project-generated code only and works
-at either level. Not covered: seccomp filters, cgroups (memory is bounded by RLIMIT_AS, not a cgroup).
+Levels (`probe_isolation`): "full" needs root, unshare / setpriv / mount / sh, an interpreter the sandbox uid
+can run, the three namespaces and tmpfs, Landlock and libseccomp (a trial worker checks them); otherwise the
+level is "unisolated": a separate process with rlimits only, which is not a sandbox. Free-form code mode is
+refused below "full" (`code_mode_refusal` names what is missing); constrained action mode runs project-made
+code only and works at either level. Not covered: cgroups (memory is bounded by RLIMIT_AS per process).
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ import os
 import select
 import shutil
 import signal
+import stat
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -38,14 +45,22 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lab.rlm import confine
 from lab.rlm import worker as protocol
 
-SYSTEM_PYTHON = "/usr/bin/python3"
-WORKER_SOURCE = Path(protocol.__file__).read_text(encoding="utf-8")
-ALLOW_UNISOLATED_ENV = "DECODING_LAB_RLM_ALLOW_UNISOLATED"
+PYTHON_ENV = "DECODING_LAB_RLM_PYTHON"
+SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
 UID_RANGE = (200_000, 260_000)  # private uids, no passwd entry, never used by a login
 MAX_FRAME = 1 << 20  # bytes of one worker -> parent frame
 TRUNCATED = protocol.TRUNCATED
+LEVEL_TEXT = {
+    "full": "sandbox: private uid, network / mount / pid namespaces, size-capped tmpfs, Landlock, seccomp, rlimits",
+    "unisolated": "NOT a sandbox: a separate process with resource limits only (action mode runs project code only)",
+}
+SETUP_SCRIPT = (  # sh -c: mount the capped tmpfs over the folder, enter it, exec setpriv ... python (args, no quoting)
+    '"$1" -t tmpfs -o "size=$2,nr_inodes=$3,mode=0700,uid=$4,gid=$4" rlm "$5" && cd "$5" && unset PWD OLDPWD'
+    ' && shift 5 && exec "$@"'
+)
 _active_uids: set[int] = set()
 _uid_lock = threading.Lock()
 
@@ -55,12 +70,14 @@ class SandboxLimits:
     """Resource limits of one worker (applied as hard limits inside it)."""
 
     timeout_s: float = 10.0  # wall clock per REPL cell, not counting time spent serving llm_query
-    cpu_s: int = 30  # RLIMIT_CPU for the worker's whole life
-    memory_bytes: int = 768 << 20  # RLIMIT_AS
+    cpu_s: int = 30  # RLIMIT_CPU per process for the worker's whole life
+    memory_bytes: int = 768 << 20  # RLIMIT_AS per process
     open_files: int = 64  # RLIMIT_NOFILE
-    file_bytes: int = 8 << 20  # RLIMIT_FSIZE
+    file_bytes: int = 8 << 20  # RLIMIT_FSIZE (one file)
+    folder_bytes: int = 32 << 20  # the tmpfs size: everything the run writes, together
+    folder_files: int = 512  # the tmpfs inode count
     output_cap: int = 16_000  # characters of REPL output kept per cell
-    audit: bool = True  # the Python audit hook (tests switch it off to exercise the OS layer alone)
+    audit: bool = True  # the Python audit hook (tests switch it off to exercise the OS layers alone)
 
 
 @dataclass(frozen=True)
@@ -94,38 +111,87 @@ class SandboxError(RuntimeError):
     """The sandbox could not be started; the message says why."""
 
 
+class ProtocolViolation(Exception):
+    """The worker sent something the protocol does not allow (or stopped reading)."""
+
+
 @dataclass(frozen=True)
 class Isolation:
-    level: str  # full | basic
-    reason: str  # why not full (empty when full)
+    level: str  # full | unisolated
+    missing: tuple[str, ...] = ()  # what the full level lacks here (empty when full)
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.missing)
+
+    @property
+    def description(self) -> str:
+        return LEVEL_TEXT[self.level] + (f" (missing: {self.reason})" if self.missing else "")
+
+
+def _runnable_by_others(path: str) -> bool:
+    """Whether a uid that is neither owner nor group can execute `path` (o+x on the file and every directory)."""
+    real = Path(os.path.realpath(path))
+    try:
+        if not real.is_file() or not real.stat().st_mode & stat.S_IXOTH or not real.stat().st_mode & stat.S_IROTH:
+            return False
+        return all(parent.stat().st_mode & stat.S_IXOTH for parent in real.parents)
+    except OSError:
+        return False
+
+
+def interpreter(full: bool) -> str | None:
+    """The Python the worker runs: DECODING_LAB_RLM_PYTHON, else sys.executable when the sandbox uid can run it
+    (always at the unisolated level: same uid), else a system python3; None when there is none."""
+    configured = os.environ.get(PYTHON_ENV)
+    if configured:
+        return configured if os.path.isfile(configured) else None
+    candidates = [sys.executable, getattr(sys, "_base_executable", ""), *SYSTEM_PYTHONS]
+    for path in filter(None, candidates):
+        if os.path.isfile(path) and (not full or _runnable_by_others(path)):
+            return os.path.realpath(path) if full else path
+    return None
+
+
+def _tools() -> dict[str, str | None]:
+    return {name: shutil.which(name) for name in ("unshare", "setpriv", "mount", "sh")}
+
+
+def _static_missing() -> list[str]:
+    missing = [f"the {name} command" for name, path in _tools().items() if path is None]
+    if os.geteuid() != 0:
+        missing.append("root (to switch the worker to a private uid and create its namespaces)")
+    if interpreter(full=True) is None:
+        missing.append(f"a Python the sandbox uid can run (set {PYTHON_ENV})")
+    if confine.load_libseccomp() is None:
+        missing.append("libseccomp (the Debian package libseccomp2)")
+    return missing
 
 
 @functools.cache
 def probe_isolation() -> Isolation:
     """Which isolation this machine supports; checked once per process by starting a trial worker."""
-    missing = [tool for tool in ("unshare", "setpriv") if shutil.which(tool) is None]
-    if missing or not os.path.exists(SYSTEM_PYTHON):
-        return Isolation("basic", f"missing {', '.join(missing) or SYSTEM_PYTHON}")
-    if os.geteuid() != 0:
-        return Isolation("basic", "the server does not run as root, so it cannot switch the worker to a private uid")
-    try:
-        with Sandbox("", SandboxLimits(timeout_s=10), isolation="full") as trial:
-            if trial.landlock_abi <= 0:
-                return Isolation("basic", "the kernel has no Landlock, so file reads could not be confined")
-    except SandboxError as error:
-        return Isolation("basic", str(error))
-    return Isolation("full", "")
+    missing = _static_missing()
+    if not missing:
+        try:
+            with Sandbox("", SandboxLimits(timeout_s=10), isolation="full") as trial:
+                if trial.landlock_abi <= 0:
+                    missing.append("Landlock in the kernel (file access could not be confined)")
+                if trial.seccomp_rules <= 0:
+                    missing.append("a loaded seccomp filter")
+        except SandboxError as error:
+            missing.append(f"a working isolated worker ({error})")
+    return Isolation("unisolated" if missing else "full", tuple(missing))
 
 
 def code_mode_refusal() -> str | None:
-    """Why free-form code mode is refused here, or None when it may run."""
+    """Why free-form code mode is refused here, or None when it may run (only at the full level)."""
     isolation = probe_isolation()
-    if isolation.level == "full" or os.environ.get(ALLOW_UNISOLATED_ENV) == "1":
+    if isolation.level == "full":
         return None
     return (
-        f"Code mode is disabled: the sandbox cannot be fully isolated here ({isolation.reason}). "
-        f"Use the constrained action mode, or set {ALLOW_UNISOLATED_ENV}=1 to run model-written code with the "
-        "basic sandbox only (rlimits + audit hook, no uid/network/filesystem isolation) at your own risk."
+        f"Code mode is refused: model-written code runs only in the full sandbox, and here it is missing "
+        f"{isolation.reason}. Use the constrained action mode (it runs project-generated code only)."
     )
 
 
@@ -139,8 +205,18 @@ def _claim_uid() -> int:
     raise SandboxError("no free sandbox uid")
 
 
+def worker_program() -> str:
+    """The -c program: `lab.rlm.confine` registered as the module rlm_confine, then `lab.rlm.worker`."""
+    confine_source = Path(confine.__file__).read_text(encoding="utf-8")
+    return (
+        "import sys, types\nrlm_confine = types.ModuleType('rlm_confine')\n"
+        f"exec(compile({confine_source!r}, 'rlm_confine.py', 'exec'), rlm_confine.__dict__)\n"
+        "sys.modules['rlm_confine'] = rlm_confine\n" + Path(protocol.__file__).read_text(encoding="utf-8")
+    )
+
+
 class Sandbox:
-    """One worker process holding `context`; see the module docstring. Use as a context manager."""
+    """One worker holding `context`; see the module docstring. Use as a context manager."""
 
     def __init__(self, context: str, limits: SandboxLimits = SandboxLimits(), isolation: str | None = None):
         self.context, self.limits = context, limits
@@ -148,7 +224,7 @@ class Sandbox:
         self.process: subprocess.Popen | None = None
         self.tmpdir: str | None = None
         self.uid: int | None = None
-        self.landlock_abi = 0
+        self.landlock_abi = self.seccomp_rules = 0
         self.restarts = 0
 
     def __enter__(self) -> Sandbox:
@@ -158,64 +234,77 @@ class Sandbox:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _command(self) -> list[str]:
-        python = [SYSTEM_PYTHON, "-I", "-S", "-B", "-c", WORKER_SOURCE]
+    def _command(self, python: str) -> list[str]:
+        worker = [python, "-I", "-S", "-B", "-c", worker_program()]
         if self.isolation != "full":
-            return python
+            return worker
+        tools = _tools()
+        namespaces = [tools["unshare"], "--net", "--mount", "--pid", "--fork", "--kill-child"]
+        namespaces += ["--propagation", "private", "--"]
+        folder = [str(self.limits.folder_bytes), str(self.limits.folder_files), str(self.uid), self.tmpdir]
+        setup = [tools["sh"], "-c", SETUP_SCRIPT, "sh", tools["mount"], *folder]
         ids = [f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups"]
         caps = ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
-        tools = [shutil.which("unshare") or "unshare", "--net", "--", shutil.which("setpriv") or "setpriv"]
-        return tools + ids + caps + python
+        return namespaces + setup + [tools["setpriv"], *ids, *caps] + worker
 
     def start(self) -> None:
-        """Start a fresh worker with its own uid and temp dir, send it the context, wait for `ready`."""
+        """Start a fresh worker (own uid, folder, namespaces), send it the context, wait for `ready`."""
         self.close()
-        self.tmpdir = tempfile.mkdtemp(prefix="rlm-sandbox-")
-        if self.isolation == "full":
-            self.uid = _claim_uid()
-            os.chown(self.tmpdir, self.uid, self.uid)
-        os.chmod(self.tmpdir, 0o700)
-        self.process = subprocess.Popen(
-            self._command(),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            env={},
-            cwd=self.tmpdir,
-            start_new_session=True,
-            close_fds=True,
-        )
-        init = {
-            "context": self.context,
-            "limits": {
-                "cpu_s": self.limits.cpu_s,
-                "memory_bytes": self.limits.memory_bytes,
-                "open_files": self.limits.open_files,
-                "file_bytes": self.limits.file_bytes,
-                "output_cap": self.limits.output_cap,
-                "audit": self.limits.audit,
-                "landlock": self.isolation == "full",
-            },
-        }
         try:
-            protocol.write_frame(self.process.stdin.fileno(), init)
-            ready = self._read(time.monotonic() + 15)
-        except (OSError, EOFError, ValueError, TimeoutError) as error:
+            self._spawn()
+        except (OSError, EOFError, ValueError, TimeoutError, ProtocolViolation) as error:
             self.close()
-            raise SandboxError(f"the sandbox worker did not start ({error})") from None
-        self.landlock_abi = int(ready.get("landlock_abi", 0))
+            raise SandboxError(f"the sandbox worker did not start ({type(error).__name__}: {error})") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self) -> None:
+        full = self.isolation == "full"
+        python = interpreter(full)
+        if python is None:
+            raise SandboxError(f"no Python interpreter the sandbox can run; set {PYTHON_ENV}")
+        self.tmpdir = tempfile.mkdtemp(prefix="rlm-sandbox-")
+        os.chmod(self.tmpdir, 0o700)
+        if full:
+            self.uid = _claim_uid()
+        self.process = subprocess.Popen(
+            self._command(python), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            env={}, cwd=self.tmpdir, start_new_session=True, close_fds=True,
+        )  # fmt: skip
+        os.set_blocking(self.process.stdin.fileno(), False)
+        keys = ("cpu_s", "memory_bytes", "open_files", "file_bytes", "output_cap", "audit")
+        limits = {key: getattr(self.limits, key) for key in keys} | {"landlock": full, "seccomp": full}
+        deadline = time.monotonic() + 15
+        self._write({"context": self.context, "limits": limits}, deadline)
+        ready = self._read(deadline)
+        if ready.get("op") != "ready":
+            raise ProtocolViolation(str(ready.get("error", "no ready frame"))[:200])
+        self.landlock_abi = _int(ready.get("landlock_abi"))
+        self.seccomp_rules = _int(ready.get("seccomp_rules"))
+
+    def _write(self, payload: dict, deadline: float) -> None:
+        """One frame to the worker before `deadline` (non-blocking fd): a worker that stops reading is a
+        protocol violation, never a server blocked in write()."""
+        try:
+            protocol.write_frame(self.process.stdin.fileno(), payload, deadline)
+        except TimeoutError:
+            raise ProtocolViolation("the worker stopped reading its input") from None
 
     def _read(self, deadline: float) -> dict:
-        """One frame from the worker before `deadline`, with the size cap; raises on timeout / EOF / junk."""
+        """One frame from the worker before `deadline`, size-capped; anything malformed is a ProtocolViolation."""
         fd = self.process.stdout.fileno()
-        header = self._read_exact(fd, protocol.HEADER.size, deadline)
-        (size,) = protocol.HEADER.unpack(header)
+        (size,) = protocol.HEADER.unpack(self._read_exact(fd, protocol.HEADER.size, deadline))
         if size > MAX_FRAME:
-            raise ValueError(f"the worker sent a frame of {size} bytes (cap {MAX_FRAME})")
-        payload = protocol.json.loads(self._read_exact(fd, size, deadline).decode("utf-8"))
-        if not isinstance(payload, dict):
-            raise ValueError("the worker sent a malformed frame")
-        return payload
+            raise ProtocolViolation(f"the worker sent a frame of {size} bytes (cap {MAX_FRAME})")
+        payload = self._read_exact(fd, size, deadline)
+        try:
+            message = protocol.json.loads(payload.decode("utf-8"))
+        except Exception as error:  # noqa: BLE001 - RecursionError, UnicodeDecodeError, ValueError, MemoryError ...
+            raise ProtocolViolation(f"the worker sent a malformed frame ({type(error).__name__})") from None
+        if not isinstance(message, dict):
+            raise ProtocolViolation("the worker sent a frame that is not an object")
+        return message
 
     @staticmethod
     def _read_exact(fd: int, n: int, deadline: float) -> bytes:
@@ -233,55 +322,53 @@ class Sandbox:
 
     def execute(self, code: str) -> Generator[SubQuery, str, ExecResult]:
         """Run one REPL cell; yields SubQuery for each llm_query (send the answer back); returns the result."""
-        if self.process is None or self.process.poll() is not None:
-            self.start()
-            self.restarts += 1
         started = time.monotonic()
+        if self.process is None or self.process.poll() is not None:
+            try:
+                self.start()
+            except SandboxError as error:
+                return ExecResult("", str(error), False, [], None, 0.0)
+            self.restarts += 1
         deadline = started + self.limits.timeout_s
         try:
-            protocol.write_frame(self.process.stdin.fileno(), {"op": "exec", "code": code})
+            self._write({"op": "exec", "code": code}, time.monotonic() + 5)
             while True:
                 message = self._read(deadline)
                 if message.get("op") == "result":
                     return self._result(message, time.monotonic() - started)
                 if message.get("op") != "llm_query":
-                    raise ValueError(f"unexpected frame {str(message.get('op'))[:40]!r}")
+                    raise ProtocolViolation(f"unexpected frame {str(message.get('op'))[:40]!r}")
                 paused = time.monotonic()
-                answer = yield SubQuery(str(message.get("prompt", "")), str(message.get("text", "")), _ranges(message))
+                answer = yield SubQuery(_str(message.get("prompt")), _str(message.get("text")), _ranges(message))
                 deadline += time.monotonic() - paused  # serving the sub-call does not count against the cell
-                protocol.write_frame(self.process.stdin.fileno(), {"op": "llm_result", "text": str(answer)})
+                self._write({"op": "llm_result", "text": str(answer)}, time.monotonic() + 5)
         except TimeoutError:
             return self._failure(f"timed out after {self.limits.timeout_s:g} s of wall-clock time", started)
         except (EOFError, BrokenPipeError):
             return self._failure(self._exit_reason(), started)
-        except (ValueError, UnicodeDecodeError, OSError) as error:
+        except (ProtocolViolation, OSError) as error:
             return self._failure(f"protocol violation: {error}", started)
 
     def _result(self, message: dict, seconds: float) -> ExecResult:
-        output = str(message.get("output", ""))
-        truncated = bool(message.get("truncated")) or len(output) > self.limits.output_cap
+        output = _str(message.get("output"))
+        truncated = message.get("truncated") is True or len(output) > self.limits.output_cap
         error = message.get("error")
         final = message.get("final")
-        return ExecResult(
-            output[: self.limits.output_cap],
-            str(error)[:2000] if error is not None else None,
-            truncated,
-            _ranges(message, "reads"),
-            str(final) if final is not None else None,
-            round(seconds, 4),
-        )
+        result = ExecResult(
+            output[: self.limits.output_cap], _str(error)[:2000] if error is not None else None, truncated,
+            _ranges(message, "reads"), _str(final) if final is not None else None, round(seconds, 4),
+        )  # fmt: skip
+        if message.get("restart") is True:  # the worker ended the REPL (its child exited or misbehaved)
+            self._kill()
+            result.error = f"{result.error}; the REPL was restarted and its variables are lost"
+        return result
 
     def _exit_reason(self) -> str:
         try:
             code = self.process.wait(timeout=2)
         except subprocess.TimeoutExpired:
             return "the worker stopped answering"
-        reasons = {
-            -signal.SIGXCPU: "CPU time limit exceeded",
-            -signal.SIGKILL: "killed",
-            -signal.SIGXFSZ: "file too big",
-        }
-        return f"the REPL process exited with status {code} ({reasons.get(code, 'os._exit or a crash')})"
+        return f"the worker exited with status {code}"
 
     def _failure(self, reason: str, started: float) -> ExecResult:
         """Kill the worker (its whole process group) and report why; the next cell gets a fresh worker."""
@@ -294,13 +381,15 @@ class Sandbox:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
         for stream in (self.process.stdin, self.process.stdout):
-            stream.close()
+            with contextlib.suppress(OSError):
+                stream.close()
         self.process = None
 
     def close(self) -> None:
-        """Kill the worker and remove its temp dir; the uid goes back to the pool."""
+        """Kill the worker and remove its folder; the uid goes back to the pool. Safe to call at any point."""
         self._kill()
         if self.tmpdir:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
@@ -309,6 +398,14 @@ class Sandbox:
             with _uid_lock:
                 _active_uids.discard(self.uid)
             self.uid = None
+
+
+def _str(value: object) -> str:
+    return value if isinstance(value, str) else "" if value is None else str(value)[:2000]
+
+
+def _int(value: object) -> int:
+    return value if type(value) is int else 0
 
 
 def _ranges(message: dict, key: str = "ranges") -> list[list[int]]:

@@ -10,7 +10,11 @@ Kinds:
   status <label>?", answer the count (counting over the whole document, OOLONG-style aggregation).
 - sum: order lines "Order 5120: <customer> bought 17 units." ; question "How many units did <customer> buy in
   total?", answer the sum (aggregation that needs every matching line).
-Status labels and customer names appear only in their own lines, so the answers are exact.
+- tally: shipment lines "Shipment 0412: seven crates of pears arrived." (quantities written as words, fruits
+  varied) spread evenly through every part of the document; question "How many crates of pears arrived in
+  total?", answer the sum over all pear lines. Grep finds the lines but no helper reads the words: the answer
+  needs a sub-call on every chunk and a combine step (the recursion-necessary family; run it at 100k+ tokens).
+Status labels, customer names and fruits appear only in their own lines, so the answers are exact.
 Not covered: OOLONG's semantic labels (the labels here are written out), multi-hop questions.
 """
 
@@ -19,7 +23,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-KINDS = ("needle", "count", "sum")
+KINDS = ("needle", "count", "sum")  # the eval's standard families
+ALL_KINDS = (*KINDS, "tally")
 CHARS_PER_TOKEN = 3.0  # measured on these logs with the SmolLM2 tokenizer (digits are single tokens)
 MIN_TOKENS, MAX_TOKENS = 1_000, 500_000
 
@@ -30,6 +35,8 @@ VERBS = ("reached", "left for", "turned back toward", "waited near", "was rerout
 FIRST = ("Mira", "Tomas", "Lena", "Ravi", "Ines", "Kofi", "Yuki", "Omar", "Sana", "Pavel", "Nora", "Diego")
 LAST = ("Falcon", "Brook", "Hale", "Moreno", "Okafor", "Lindqvist", "Tanaka", "Rossi", "Novak", "Quinn", "Adler")
 LABELS = ("urgent", "pending", "resolved", "escalated", "archived")
+FRUITS = ("pears", "plums", "figs", "limes")
+NUMBER_WORDS = ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,18 @@ def _special_lines(kind: str, rng: random.Random, n_lines: int) -> tuple[list[st
         lines = [f"Order {rng.randrange(1000, 10000)}: {b} bought {q} units." for b, q in zip(buyers, qty, strict=True)]
         total = sum(q for b, q in zip(buyers, qty, strict=True) if b == target)
         return lines, f"How many units did {target} buy in total?", str(total), buyers.count(target)
-    raise ValueError(f"unknown task kind {kind!r}; choose one of {', '.join(KINDS)}")
+    if kind == "tally":
+        n_shipments = max(8, n_lines // 30)
+        fruits = [rng.choice(FRUITS) for _ in range(n_shipments)]
+        fruits[0] = "pears"
+        qty = [rng.randrange(1, 10) for _ in fruits]
+        lines = [
+            f"Shipment {rng.randrange(1000, 10000)}: {NUMBER_WORDS[q - 1]} crate{'s' * (q > 1)} of {f} arrived."
+            for f, q in zip(fruits, qty, strict=True)
+        ]
+        total = sum(q for f, q in zip(fruits, qty, strict=True) if f == "pears")
+        return lines, "How many crates of pears arrived in total?", str(total), fruits.count("pears")
+    raise ValueError(f"unknown task kind {kind!r}; choose one of {', '.join(ALL_KINDS)}")
 
 
 def make_task(kind: str, tokens: int, seed: int) -> Task:
@@ -90,6 +108,11 @@ def make_task(kind: str, tokens: int, seed: int) -> Task:
     n_lines = max(20, target_chars // 62)
     special, question, answer, facts = _special_lines(kind, rng, n_lines)
     lines = [_log_line(rng, i) for i in range(n_lines)]
-    for line in special:
-        lines.insert(rng.randrange(1, len(lines)), line)  # never first: the prefix the root sees is plain logs
+    if kind == "tally":  # evenly spread: every stretch of the document holds some shipments
+        step = len(lines) / len(special)
+        for i, line in enumerate(reversed(special)):
+            lines.insert(max(1, int((len(special) - 1 - i) * step + rng.random() * step)), line)
+    else:
+        for line in special:
+            lines.insert(rng.randrange(1, len(lines)), line)  # never first: the prefix the root sees is plain logs
     return Task(kind, seed, question, answer, "\n".join(lines) + "\n", facts)

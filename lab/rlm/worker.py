@@ -1,44 +1,63 @@
-"""The sandbox worker: a stdlib-only Python REPL that holds the long context and runs untrusted code.
+"""The sandbox worker: a stdlib-only supervisor that holds the channel to the server and a REPL child that holds
+the long context and runs the untrusted code.
 
-This file is sent as the `-c` program of `/usr/bin/python3 -I -S` (the system Python: the project venv may be
-unreadable to the worker's uid) by `lab.rlm.sandbox`, which has already placed it in a new network namespace,
-under a fresh unprivileged uid, in a new session, with an empty environment and a private temp dir as cwd.
-Before the first untrusted line the worker, in this order:
-1. moves its protocol pipe off fds 0/1 (fds 0-2 become /dev/null) and reads the init frame (context, limits);
-2. sets hard = soft resource limits (RLIMIT_CPU, AS, NOFILE, FSIZE, NPROC = 0 more processes, CORE = 0);
-3. restricts itself with Landlock (Linux >= 5.13): read-only access to the Python stdlib, read-write to its temp
-   dir, nothing else; no execve; no TCP bind/connect; (ABI >= 6) no signals to or abstract sockets of processes
-   outside the sandbox;
-4. installs a Python audit hook that refuses processes, sockets, ctypes and file access outside the temp dir
-   with a clear message (defence in depth: the OS limits above hold even when the hook is bypassed).
-The REPL protocol (length-prefixed JSON frames on the pipe): parent -> worker `exec` {code};
-worker -> parent `llm_query` {prompt, text, ranges} (answered by `llm_result` {text}) and `result` {output,
-truncated, error, reads, final}. Output is capped at `output_cap` characters and marked "[truncated]".
-The module has no side effects on import, so the parent imports its frame functions from here.
+`lab.rlm.sandbox` starts this file's source (preceded by `lab.rlm.confine`'s, see `program()`) as the `-c`
+program of an isolated Python, already in new network / mount / pid namespaces, under a fresh unprivileged uid,
+with an empty environment and a size-capped tmpfs as its folder. Two processes:
+1. the supervisor moves the channel off fds 0/1 (fds 0-2 become /dev/null), reads the init frame (context,
+   limits), puts Landlock and the seccomp filter on itself (`lab.rlm.confine`; inherited by its child), opens
+   three pipes and forks the REPL child;
+2. the REPL child closes the channel's fds (it never holds them: it cannot write a frame to the server), puts
+   its stdout / stderr on the output pipe, applies the resource limits (RLIMIT_NPROC 0: no process or thread),
+   a nested Landlock domain (no signals to the supervisor) and the audit hook, then runs cells as they come.
+Per cell the supervisor forwards `exec` {code} to the child and then treats every byte from it as hostile:
+frames on the child's pipe are size-capped (`CHILD_FRAME`) and parsed by an incremental reader; every frame
+must carry the running cell's number, and the only frames accepted are `llm_query` {prompt, text, ranges}
+(relayed to the server, whose `llm_result` {text} goes back to the child with a write deadline) and `done`
+{error, final, reads}; the output is what the child wrote to its stdout, read by the supervisor and capped at
+`output_cap` characters ("[truncated]"). So a forged `done` (the cell numbers are easy to guess) can at most
+end its own cell early, and the frames that follow arrive outside their cell: a violation at the next cell. It
+cannot invent output, and nothing the child writes reaches the server unparsed.
+Anything else (an unknown op, a malformed or oversized frame, more than `MAX_QUERIES` queries in a cell, a
+reply the child does not read, the child's exit) kills the child, sends `result` with the error and
+`restart: true`, and ends the worker; the server then kills the whole process group (the pid namespace dies
+with it) and starts a fresh worker for the next cell.
+Server -> worker frames: `exec`, `llm_result`; worker -> server: `ready` {landlock_abi, seccomp_rules, uid},
+`llm_query`, `result` {output, truncated, error, reads, final, restart}. Frames are 4-byte big-endian length +
+UTF-8 JSON. The module has no side effects on import, so the parent imports its frame functions from here.
 """
 
+import contextlib
 import json
 import os
 import re
+import select
 import struct
 import sys
+import time
 
 HEADER = struct.Struct(">I")
 TRUNCATED = "\n[truncated]"
-BLOCKED_MODULES = ("ctypes", "_ctypes", "subprocess", "_posixsubprocess", "socket", "_socket", "multiprocessing")
-BLOCKED_MODULES += ("pty", "mmap", "_multiprocessing", "signal", "_signal", "resource", "fcntl", "asyncio", "ssl")
-BLOCKED_EVENTS = ("os.system", "os.exec", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.kill")
-BLOCKED_EVENTS += ("os.killpg", "subprocess.", "ctypes.", "socket.", "sys.addaudithook", "os.setuid", "pty.")
-BLOCKED_EVENTS += ("os.chmod", "os.chown", "os.link", "os.symlink", "shutil.", "sys.remote_exec", "os.truncate")
-PATH_EVENTS = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.listdir", "os.scandir", "os.utime", "glob.")
+CHILD_FRAME = 1 << 20  # bytes of one REPL child -> supervisor frame
+SERVER_FRAME = 1 << 26  # bytes of one server -> worker frame (the init frame carries the context)
+MAX_QUERIES = 1000  # llm_query frames in one cell before it is a flood
+WRITE_DEADLINE_S = 2.0  # a reply the REPL child does not read within this is a protocol violation
 
 
-def write_frame(fd, payload):
-    """Send one frame: 4-byte big-endian length, then UTF-8 JSON."""
+def write_frame(fd, payload, deadline=None):
+    """Send one frame: 4-byte big-endian length, then UTF-8 JSON; with `deadline` (time.monotonic()) the fd must
+    be non-blocking and a peer that stops reading raises TimeoutError."""
     data = json.dumps(payload, ensure_ascii=False).encode("utf-8", "replace")
     view = memoryview(HEADER.pack(len(data)) + data)
     while view:
-        view = view[os.write(fd, view) :]
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [fd], [], left)[1]:
+                raise TimeoutError("the peer stopped reading")
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            continue
 
 
 def read_exact(fd, n):
@@ -53,31 +72,54 @@ def read_exact(fd, n):
 
 
 def read_frame(fd, cap):
-    """Receive one frame, refusing frames over `cap` bytes."""
+    """Receive one frame from a trusted peer (blocking), refusing frames over `cap` bytes."""
     (size,) = HEADER.unpack(read_exact(fd, HEADER.size))
     if size > cap:
         raise ValueError(f"frame of {size} bytes exceeds the cap of {cap}")
     return json.loads(read_exact(fd, size).decode("utf-8"))
 
 
-class CappedOutput:
-    """A text stream that keeps the first `cap` characters written to it and counts the rest."""
+class FrameReader:
+    """Incremental parser of frames from an untrusted peer: `feed(bytes)` returns the complete frames so far.
+    Raises ValueError on an oversized, undecodable or non-object frame (RecursionError and friends included)."""
 
     def __init__(self, cap):
-        self.cap, self.parts, self.size = cap, [], 0
+        self.cap, self.buffer = cap, b""
 
-    def write(self, text):
-        text = str(text)
-        if self.size < self.cap:
-            self.parts.append(text[: self.cap - self.size])
-        self.size += len(text)
-        return len(text)
+    def feed(self, data):
+        self.buffer += data
+        frames = []
+        while len(self.buffer) >= HEADER.size:
+            (size,) = HEADER.unpack(self.buffer[: HEADER.size])
+            if size > self.cap:
+                raise ValueError(f"a frame of {size} bytes (cap {self.cap})")
+            if len(self.buffer) < HEADER.size + size:
+                break
+            payload, self.buffer = self.buffer[HEADER.size : HEADER.size + size], self.buffer[HEADER.size + size :]
+            try:
+                frame = json.loads(payload.decode("utf-8"))
+            except Exception as error:  # noqa: BLE001 - RecursionError, UnicodeDecodeError, ValueError ...
+                raise ValueError(f"a malformed frame ({type(error).__name__})") from None
+            if not isinstance(frame, dict):
+                raise ValueError("a frame that is not an object")
+            frames.append(frame)
+        return frames
 
-    def flush(self):
-        pass
+
+class CappedText:
+    """The first `cap` characters of a byte stream (decoded as UTF-8 with replacement), and whether more came."""
+
+    def __init__(self, cap):
+        self.cap, self.data, self.size = cap, bytearray(), 0
+
+    def add(self, chunk):
+        if len(self.data) < 4 * self.cap:
+            self.data += chunk[: 4 * self.cap - len(self.data)]
+        self.size += len(chunk)
 
     def value(self):
-        return "".join(self.parts), self.size > self.cap
+        text = self.data.decode("utf-8", "replace")
+        return text[: self.cap], len(text) > self.cap or self.size > len(self.data)
 
 
 class TrackedContext(str):
@@ -105,78 +147,8 @@ class TrackedContext(str):
     )
 
 
-def set_limits(limits):
-    import resource
-
-    pairs = {
-        resource.RLIMIT_CPU: limits["cpu_s"],
-        resource.RLIMIT_AS: limits["memory_bytes"],
-        resource.RLIMIT_NOFILE: limits["open_files"],
-        resource.RLIMIT_FSIZE: limits["file_bytes"],
-        resource.RLIMIT_NPROC: 0,  # counted per uid, and the uid is this run's alone: no new process or thread
-        resource.RLIMIT_CORE: 0,
-    }
-    for which, value in pairs.items():
-        resource.setrlimit(which, (value, value))
-
-
-def landlock(read_dirs, write_dirs):
-    """Restrict this process with Landlock; returns the ABI version used, or 0 when the kernel lacks it."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    abi = libc.syscall(444, None, 0, 1)  # landlock_create_ruleset(NULL, 0, VERSION)
-    if abi <= 0:
-        return 0
-    fs_all = (1 << 13) - 1 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0) | (1 << 15 if abi >= 5 else 0)
-    net_all = 3 if abi >= 4 else 0
-    scoped = 3 if abi >= 6 else 0
-    attr = struct.pack("<QQQ", fs_all, net_all, scoped)
-    size = 24 if abi >= 6 else (16 if abi >= 4 else 8)
-    ruleset = libc.syscall(444, ctypes.c_char_p(attr[:size]), size, 0)
-    if ruleset < 0:
-        raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
-    read = (1 << 2) | (1 << 3)  # READ_FILE | READ_DIR
-    rw = fs_all & ~1  # everything but EXECUTE
-    for path, access in [(d, read) for d in read_dirs] + [(d, rw) for d in write_dirs]:
-        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-        rule = struct.pack("<Qi", access, fd)
-        if libc.syscall(445, ruleset, 1, ctypes.c_char_p(rule), 0) != 0:
-            raise OSError(ctypes.get_errno(), f"landlock_add_rule failed for {path}")
-        os.close(fd)
-    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.syscall(446, ruleset, 0) != 0:  # NO_NEW_PRIVS; restrict_self
-        raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
-    os.close(ruleset)
-    return abi
-
-
-def audit_hook(read_roots, write_root):
-    """A sys.addaudithook hook: refuse processes, sockets, ctypes and paths outside the sandbox's roots."""
-
-    def inside(path, roots):
-        if isinstance(path, int):
-            return True  # an already open descriptor
-        real = os.path.realpath(os.fsdecode(path))
-        return any(real == root or real.startswith(root + os.sep) for root in roots)
-
-    def hook(event, args):
-        if event == "import" and args[0].split(".")[0] in BLOCKED_MODULES:
-            raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
-        if event.startswith(BLOCKED_EVENTS):
-            raise PermissionError(f"sandbox: {event} is not allowed")
-        if event == "open" and args[0] is not None:
-            writing = isinstance(args[1], str) and any(c in args[1] for c in "wax+")
-            writing = writing or (isinstance(args[2], int) and args[2] & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
-            if not inside(args[0], [write_root] if writing else read_roots + [write_root]):
-                raise PermissionError(f"sandbox: {'writing' if writing else 'reading'} {args[0]!r} is not allowed")
-        if event.startswith(PATH_EVENTS) and args and not inside(args[0] if args[0] is not None else ".", [write_root]):
-            raise PermissionError(f"sandbox: {event} on {args[0]!r} is not allowed")
-
-    return hook
-
-
 def make_namespace(context, channel):
-    """The REPL's globals: `context`, `llm_query`, FINAL / FINAL_VAR and the action helpers."""
+    """The REPL's globals: `context`, `llm_query`, FINAL / FINAL_VAR and generic helpers (no task knowledge)."""
     state = {"final": None}
 
     def llm_query(prompt, text=""):
@@ -189,16 +161,14 @@ def make_namespace(context, channel):
     def peek(start, end):
         return context[max(0, int(start)) : int(end)]
 
-    def grep(pattern, limit=3, width=160):
-        """Lines of the context that contain `pattern` (a regex): the first hits, their count, the sum of their last
-        numbers; returns the match objects."""
-        hits = [m for m in re.finditer(r"[^\n]*(?:" + pattern + r")[^\n]*", context)]
+    def grep(pattern, limit=20, width=160):
+        """Print and return (start, end, line) of the context's lines that match the regex `pattern`."""
+        hits = [(m.start(), m.end(), m.group()) for m in re.finditer(r"[^\n]*(?:" + pattern + r")[^\n]*", context)]
         TrackedContext.reads.append([0, len(context)])
-        numbers = [re.findall(r"\d+", m.group()) for m in hits]
-        for m in hits[:limit]:
-            print(f"[{m.start()}:{m.end()}] {m.group()[:width]}")
-        print(f"count of matching lines: {len(hits)}")
-        print(f"total of their last numbers: {sum(int(n[-1]) for n in numbers if n)}")
+        for start, end, line in hits[:limit]:
+            print(f"[{start}:{end}] {line[:width]}")
+        if len(hits) > limit:
+            print("[more matches not shown]")  # never their number: counting is the caller's job
         return hits
 
     def chunks(k):
@@ -214,11 +184,10 @@ def make_namespace(context, channel):
     return names, state
 
 
-def run_code(code, names, state, cap):
-    """Execute one REPL cell with stdout/stderr captured; errors become the cell's `error` text."""
-    out, error = CappedOutput(cap), None
-    saved = sys.stdout, sys.stderr
-    sys.stdout = sys.stderr = out
+def run_code(code, names, state, stdout):
+    """Execute one REPL cell (its prints go to the output pipe); errors become the cell's `error` text."""
+    error = None
+    sys.stdout = sys.stderr = stdout
     TrackedContext.reads = []
     state["final"] = None
     try:
@@ -227,42 +196,194 @@ def run_code(code, names, state, cap):
         error = "MemoryError: the cell exceeded the sandbox's memory limit (RLIMIT_AS)"
     except SystemExit as exc:
         error = f"SystemExit({exc.code!r}) is not allowed in the REPL; use FINAL(answer) to finish"
-    except BaseException as exc:  # the cell's own failure (incl. MemoryError, KeyboardInterrupt): report it
+    except BaseException as exc:  # the cell's own failure (incl. KeyboardInterrupt): report it
         error = f"{type(exc).__name__}: {exc}"
     finally:
-        sys.stdout, sys.stderr = saved
-    text, truncated = out.value()
-    reads = TrackedContext.reads[:200]
-    return {"op": "result", "output": text, "truncated": truncated, "error": error, "reads": reads, **state}
+        sys.stdout = sys.stderr = stdout
+        with contextlib.suppress(Exception):  # a broken output stream is the cell's problem, not the protocol's
+            stdout.flush()
+    return {"op": "done", "error": error, "reads": TrackedContext.reads[:200], "final": state["final"]}
 
 
-def main():
-    rfd, wfd = os.dup(0), os.dup(1)
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    init = read_frame(rfd, 1 << 26)
-    limits, tmp = init["limits"], os.getcwd()
-    context = TrackedContext(init["context"])
-    del init
-    stdlib = os.path.dirname(os.__file__)
-    abi = landlock([stdlib], [tmp]) if limits["landlock"] else 0
+def repl_child(context, limits, cmd_r, up_w, roots):
+    """The REPL child's life: confine itself further, then run cells forever (never returns)."""
+    import io
+
+    import rlm_confine as confine
+
+    stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), "utf-8", errors="replace", write_through=True)
+    confine.set_limits(limits, nproc=0)
+    if limits["landlock"]:
+        confine.landlock(roots[0], [roots[1]])  # a nested domain: signals to the supervisor are now outside it
     for name in ("ctypes", "_ctypes"):
         sys.modules.pop(name, None)
-    set_limits(limits)
     if limits["audit"]:
-        sys.addaudithook(audit_hook([stdlib], tmp))
-    write_frame(wfd, {"op": "ready", "landlock_abi": abi, "uid": os.getuid(), "pid": os.getpid()})
+        sys.addaudithook(confine.audit_hook(roots[0], roots[1]))
+
+    current = {"cell": None}
 
     def channel(message):
-        write_frame(wfd, message)
-        reply = read_frame(rfd, 1 << 22)
-        return str(reply.get("text", ""))
+        write_frame(up_w, {**message, "cell": current["cell"]})
+        return str(read_frame(cmd_r, SERVER_FRAME).get("text", ""))
 
     names, state = make_namespace(context, channel)
     while True:
-        request = read_frame(rfd, 1 << 22)
-        write_frame(wfd, run_code(request["code"], names, state, limits["output_cap"]))
+        request = read_frame(cmd_r, SERVER_FRAME)
+        current["cell"] = request["cell"]
+        write_frame(up_w, {**run_code(request["code"], names, state, stdout), "cell": request["cell"]})
+
+
+def _text(frame, key, cap):
+    value = frame.get(key)
+    return None if value is None else str(value)[:cap]
+
+
+def serve_cell(code, cell, child, server, cap):
+    """Supervisor: run cell number `cell` in the child; returns the `result` frame for the server (restart on a
+    violation). Every child frame must carry the running cell's number, so a frame left over from an earlier
+    cell (whose code went on after a forged `done`) is a violation, never the next cell's answer."""
+    pid, cmd_w, up_r, out_r = child
+    output, reader, queries, watched = CappedText(cap), FrameReader(CHILD_FRAME), 0, [up_r, out_r]
+    try:
+        write_frame(cmd_w, {"op": "exec", "code": code, "cell": cell}, _deadline())
+        while True:
+            readable = select.select(watched, [], [])[0]
+            if out_r in readable:
+                chunk = os.read(out_r, 1 << 16)
+                if chunk:
+                    output.add(chunk)
+                else:
+                    watched.remove(out_r)  # the code closed its own stdout
+            if up_r not in readable:
+                continue
+            data = os.read(up_r, 1 << 16)
+            if not data:
+                raise EOFError(_exit_reason(pid))
+            for frame in reader.feed(data):
+                if frame.get("cell") != cell:
+                    raise ValueError(f"the REPL sent a frame outside its cell ({str(frame.get('op'))[:40]!r})")
+                if frame.get("op") == "done":
+                    _drain(out_r, output)
+                    text, truncated = output.value()
+                    reads, final = frame.get("reads"), _text(frame, "final", 4000)
+                    error = _text(frame, "error", 2000)
+                    return {"op": "result", "output": text, "truncated": truncated, "error": error,
+                            "reads": reads if isinstance(reads, list) else [], "final": final}  # fmt: skip
+                if frame.get("op") != "llm_query":
+                    raise ValueError(f"the REPL sent an unexpected frame ({str(frame.get('op'))[:40]!r})")
+                queries += 1
+                if queries > MAX_QUERIES:
+                    raise ValueError(f"the REPL sent more than {MAX_QUERIES} llm_query frames in one cell")
+                query = {k: str(frame.get(k, "")) for k in ("prompt", "text")}
+                ranges = frame.get("ranges")
+                query["ranges"] = ranges[:200] if isinstance(ranges, list) else []
+                write_frame(server[1], {"op": "llm_query", **query})
+                reply = read_frame(server[0], SERVER_FRAME)
+                write_frame(cmd_w, {"op": "llm_result", "text": str(reply.get("text", ""))}, _deadline())
+    except EOFError as error:
+        reason = str(error)  # the child is reaped already
+    except TimeoutError:
+        reason, _ = "protocol violation: the REPL did not read its input", _stop(pid)
+    except (ValueError, OSError) as error:
+        reason, _ = f"protocol violation: {error}", _stop(pid)
+    _drain(out_r, output)
+    text, truncated = output.value()
+    return {"op": "result", "output": text, "truncated": truncated, "error": reason, "restart": True}
+
+
+def _deadline():
+    return time.monotonic() + WRITE_DEADLINE_S
+
+
+def _drain(fd, output):
+    """Read what is left in a non-blocking pipe."""
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        if not chunk:
+            return
+        output.add(chunk)
+
+
+def _stop(pid):
+    import signal
+
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _exit_reason(pid):
+    """Why the child closed its pipe: its exit status (it is killed if it closed the pipe but lives on)."""
+    import signal
+
+    for _ in range(50):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.02)
+    else:
+        _stop(pid)
+        _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        names = {signal.SIGXCPU: "CPU time limit exceeded", signal.SIGKILL: "killed", signal.SIGXFSZ: "file too big"}
+        signum = os.WTERMSIG(status)
+        return f"the REPL process was killed by signal {signum} ({names.get(signum, 'a crash')})"
+    return f"the REPL process exited with status {os.WEXITSTATUS(status)} (os._exit or a crash)"
+
+
+def start_child(context, limits, roots, server):
+    """Fork the REPL child with its three pipes; returns (pid, cmd_w, up_r, out_r) for the supervisor."""
+    cmd_r, cmd_w = os.pipe()
+    up_r, up_w = os.pipe()
+    out_r, out_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for fd in (*server, cmd_w, up_r, out_r):
+                os.close(fd)
+            os.dup2(out_w, 1)
+            os.dup2(out_w, 2)
+            os.close(out_w)
+            repl_child(context, limits, cmd_r, up_w, roots)
+        finally:
+            os._exit(70)
+    for fd in (cmd_r, up_w, out_w):
+        os.close(fd)
+    for fd in (cmd_w, up_r, out_r):
+        os.set_blocking(fd, False)
+    return pid, cmd_w, up_r, out_r
+
+
+def main():
+    import rlm_confine as confine
+
+    server = (os.dup(0), os.dup(1))
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    init = read_frame(server[0], SERVER_FRAME)
+    limits, folder = init["limits"], os.getcwd()
+    context = TrackedContext(init["context"])
+    del init
+    roots = ([os.path.dirname(os.__file__)], folder)
+    lib = confine.load_libseccomp() if limits["seccomp"] else None
+    if limits["seccomp"] and lib is None:
+        write_frame(server[1], {"op": "error", "error": "libseccomp.so.2 is not installed"})
+        return
+    abi = confine.landlock([roots[0][0]], [folder]) if limits["landlock"] else 0
+    rules = confine.seccomp(lib) if lib is not None else 0
+    child = start_child(context, limits, roots, server)
+    confine.set_limits(limits, nproc=0)
+    write_frame(server[1], {"op": "ready", "landlock_abi": abi, "seccomp_rules": rules, "uid": os.getuid()})
+    for cell in range(1 << 62):
+        request = read_frame(server[0], SERVER_FRAME)
+        result = serve_cell(str(request.get("code", "")), cell, child, server, limits["output_cap"])
+        write_frame(server[1], result)
+        if result.get("restart"):
+            return
 
 
 if __name__ == "__main__":

@@ -3,9 +3,12 @@
 Rows, each run on every puzzle from its own seeded generator (seed + puzzle index) and a fresh `CallModel`
 (so every row pays its own prompt prefills):
 - ToT (model value): BFS with k thoughts per state, b kept, values from the model's sure / likely /
-  impossible verdict (the agreement of that verdict with the exact solver is reported, with the share of
+  impossible verdict (the agreement of that verdict with the exact solver is reported per judged thought,
+  `lab.trace.verdict_agreement`, the definition the search and the view use, with the share of distinct
   states the solver calls unsolvable, i.e. what always answering "impossible" would score, and the AUC of V(s)
   for solvable vs unsolvable states: how well the value ranks, which is all BFS uses);
+- ToT (model vote): the same search valued by the paper's vote prompt (V = share of n sampled votes over the
+  full-sequence p(" i\n") of each choice id);
 - ToT (solver value): the same search valued by the exact solver;
 - CoT sampling: the paper's 5-shot chain-of-thought prompt, N free samples at T = 0.7 (no constraint), where
   N = the model calls ToT (model value) made on that puzzle; best-of-N counts a puzzle solved when any
@@ -32,12 +35,17 @@ from lab.tot import game24, prompts
 from lab.tot.lm import CallModel
 from lab.tot.search import SearchConfig, TreeSearch
 from lab.tot.tasks import Game24
-from lab.trace import ThoughtNode, ThoughtResult
+from lab.trace import ThoughtNode, ThoughtResult, verdict_agreement
 
 COT_TOKENS = 80
 COT_TEMPERATURE = 0.7
-METHODS = ("tot-model", "tot-solver", "cot")
-LABELS = {"tot-model": "ToT (model value)", "tot-solver": "ToT (solver value)", "cot": "CoT sampling, best of N"}
+METHODS = ("tot-model", "tot-vote", "tot-solver", "cot")
+LABELS = {
+    "tot-model": "ToT (model value)",
+    "tot-vote": "ToT (model vote)",
+    "tot-solver": "ToT (solver value)",
+    "cot": "CoT sampling, best of N",
+}
 Progress = Callable[[int, int, str], None]
 
 
@@ -173,14 +181,16 @@ def run_eval(
         if progress:
             progress(index, len(puzzles), " ".join(map(str, numbers)))
         model_run, nodes = run_tot(loaded, numbers, dataclasses.replace(config, value="model"), seed + index)
+        vote_run, _ = run_tot(loaded, numbers, dataclasses.replace(config, value="vote"), seed + index)
         solver_run, _ = run_tot(loaded, numbers, dataclasses.replace(config, value="solver"), seed + index)
-        result.runs += [model_run, solver_run]
+        result.runs += [model_run, vote_run, solver_run]
         if cot:
             result.runs.append(run_cot(loaded, numbers, model_run.model_calls, seed + index))
         judged = {n.text: n for n in nodes if n.judgment and n.solver_value is not None}  # one per state
         result.judged += [(n.value, n.solver_value) for n in judged.values()]
-        result.agree += sum((n.judgment != "impossible") == (n.solver_value == 1.0) for n in judged.values())
-        result.compared += len(judged)
+        agree, compared = verdict_agreement(nodes)  # the search's and the view's definition: per thought
+        result.agree += agree
+        result.compared += compared
     return result
 
 
@@ -205,8 +215,8 @@ def format_table(result: EvalResult) -> str:
     if stats["compared"]:
         lines.append(
             f"Model value vs exact solver: verdict (sure/likely vs impossible) agrees on {stats['agree']}/"
-            f"{stats['compared']} states ({stats['agreement']:.0%}; {stats['unsolvable_share']:.0%} of them are "
-            f"unsolvable), AUC of V(s) solvable vs unsolvable = {stats['auc']}"
+            f"{stats['compared']} judged thoughts ({stats['agreement']:.0%}); {stats['unsolvable_share']:.0%} of "
+            f"the distinct states are unsolvable; AUC of V(s) solvable vs unsolvable = {stats['auc']}"
         )
     c = result.config
     lines.append(

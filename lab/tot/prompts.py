@@ -7,7 +7,9 @@ next-word probabilities:
 - Game of 24 value: the examples keep the paper's numbers and verdicts but drop the reasoning lines, and the
   query ends right before the verdict ("4 4 10:"), so p(sure / likely / impossible) is read from one forward
   instead of sampling three reasoned completions.
-- Vote prompts end with "The best choice is" (no written analysis) and the vote is read from p(" 1" ... " k").
+- Vote prompts end with "The best choice is" (no written analysis) and the vote is read from the full-sequence
+  p(" 1\n" ... " k\n"): the terminator matters because SmolLM2 splits digits, so p(" 1") alone would include
+  every " 1x" choice; value verdicts are likewise scored as " sure\n" / " likely\n" / " impossible\n".
 - Creative writing asks for "a short plan, one line per paragraph, then the passage" instead of the paper's
   "Plan: Your plan here. Passage: Your passage here." template, which the 135M model copies verbatim.
 - Free-form questions use a one-sentence-per-line format ending with "Answer: ..." (not in the paper).
@@ -100,3 +102,13 @@ Reasoning:
 
 VALUE_WORDS = ("sure", "likely", "impossible")
 VALUE_MAP = {"sure": 20.0, "likely": 1.0, "impossible": 0.001}  # the paper's value_map (game24 value_outputs_unwrap)
+
+
+def value_options() -> list[str]:
+    """The value verdicts as scored continuations, each ending its line (no option is a prefix of another)."""
+    return [f" {word}\n" for word in VALUE_WORDS]
+
+
+def vote_options(n: int) -> list[str]:
+    """The vote ids 1..n as scored continuations " i\n" (with the terminator, " 1" cannot count " 12")."""
+    return [f" {i}\n" for i in range(1, n + 1)]

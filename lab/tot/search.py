@@ -9,7 +9,9 @@ subtree is exhausted; it stops at the first solution or after `max_expansions` e
 Value modes: model (one value prompt per distinct state, cached by state as the paper does, the prompts of a
 step's candidates scored together in one tree forward; on Game of 24 the exact solver is also consulted,
 without a model call, to count agreement), vote (one vote prompt over the candidates of a step, n votes sampled
-from it), solver (exact solvability, Game of 24 only). Terminal Game of 24 states are always checked exactly.
+from it), solver (exact solvability, Game of 24 only). Value and vote options end with the newline that ends
+the answer line (" sure\n", " 3\n") and are scored as full sequences, so " 1" never absorbs " 10".." 19" and
+" sure" never absorbs " surely". Terminal Game of 24 states are always checked exactly.
 The thoughts of every BFS frontier state are proposed together too (one forward for Game of 24).
 Deliberate differences: siblings with the same text are merged (free-text tasks), and ties in value keep the
 proposal order (for Game of 24, the order of the Gumbel top-k draw).
@@ -26,9 +28,9 @@ import torch
 
 from lab.params import InputError
 from lab.tot.lm import CallModel
-from lab.tot.prompts import VALUE_WORDS, VOTE
+from lab.tot.prompts import VOTE, value_options, vote_options
 from lab.tot.tasks import Thought, value_from_logps
-from lab.trace import Event, ThoughtNode, ThoughtResult, ThoughtStep
+from lab.trace import Event, ThoughtNode, ThoughtResult, ThoughtStep, verdict_agreement
 
 SEARCHES = ("bfs", "dfs")
 VALUE_MODES = ("model", "vote", "solver")
@@ -70,7 +72,8 @@ class TreeSearch:
         self.task, self.lm, self.config, self.generator = task, lm, config, generator
         self.nodes: list[Node] = []
         self.cache: dict[object, tuple[float, str]] = {}
-        self.value_calls = self.agree = self.compared = 0
+        self.value_calls = 0
+        self.emitted: list[ThoughtNode] = []
 
     # --- building blocks -------------------------------------------------------------------------------
     def add(self, parent: Node | None, thought: Thought) -> Node:
@@ -118,14 +121,11 @@ class TreeSearch:
         states = list(dict.fromkeys(n.thought.state for n in nodes if n.thought.state not in self.cache))
         if states:
             queries = [self.task.value_query(s) for s in states]
-            options = [" " + w for w in VALUE_WORDS]
+            options = value_options()
             scores = self.lm.score_many(queries[0][0], [(suffix, options) for _, suffix in queries])
             for state, logps in zip(states, scores, strict=True):
                 self.cache[state] = value_from_logps(logps)
                 self.value_calls += 1
-                if self.task.has_solver:
-                    self.compared += 1
-                    self.agree += (self.cache[state][1] != "impossible") == (self.task.solver_value(state) == 1.0)
         for node in nodes:
             node.value, node.judgment = self.cache[node.thought.state]
             node.source = "model"
@@ -140,7 +140,7 @@ class TreeSearch:
             return
         choices = "".join(f"Choice {i}:\n{self.task.choice(self._thoughts(n))}\n" for i, n in enumerate(nodes, 1))
         suffix = f"Instruction: {self.task.instruction()}\n{choices}The best choice is"
-        logps = torch.tensor(self.lm.score(VOTE, suffix, [f" {i}" for i in range(1, len(nodes) + 1)]))
+        logps = torch.tensor(self.lm.score(VOTE, suffix, vote_options(len(nodes))))  # full " i\n" sequences
         self.value_calls += 1
         probs = (logps / self.config.temperature).softmax(0)
         votes = torch.multinomial(probs, self.config.n_votes, replacement=True, generator=self.generator)
@@ -153,7 +153,7 @@ class TreeSearch:
 
     def emit(self, node: Node, status: str, step: int) -> ThoughtNode:
         node.status = status
-        return ThoughtNode(
+        event = ThoughtNode(
             step=step,
             node_id=node.id,
             parent=node.parent,
@@ -168,6 +168,8 @@ class TreeSearch:
             solver_value=node.solver_value,
             logprob=node.thought.logprob,
         )
+        self.emitted.append(event)
+        return event
 
     def frontier(self, step: int, frontier: list[Node], candidates: int) -> ThoughtStep:
         usage = self.lm.usage
@@ -222,6 +224,7 @@ class TreeSearch:
         best = yield from (self.bfs(root) if self.config.search == "bfs" else self.dfs(root))
         path = self.path(best)
         usage = self.lm.usage
+        agree, compared = verdict_agreement(self.emitted)
         yield ThoughtResult(
             step=max(n.depth for n in self.nodes),
             task=self.task.name,
@@ -234,6 +237,6 @@ class TreeSearch:
             tokens=usage.tokens,
             forwards=usage.forwards,
             value_calls=self.value_calls,
-            agree=self.agree,
-            compared=self.compared,
+            agree=agree,
+            compared=compared,
         )
