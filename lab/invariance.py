@@ -30,6 +30,28 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 ATTENTION = "lab_rows"
 REDUCED = (torch.bfloat16, torch.float16)
 _ROWWISE = contextvars.ContextVar("lab_rows_invariant", default=False)
+_VISIBLE = contextvars.ContextVar("lab_rows_visible", default=None)  # (mask, shape, visible keys per row)
+
+
+def _visible_keys(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) -> list[slice | torch.Tensor]:
+    """Per query row, the keys it may see: a slice when they are a prefix (chains), else their indices (trees).
+    The mask is the same for every layer of a forward, so the answer is computed once per mask."""
+    cached = _VISIBLE.get()
+    if cached is not None and cached[0] is attention_mask and cached[1] == (q_len, kv_len):
+        return cached[2]
+    if attention_mask is None:
+        visible: list = [slice(0, kv_len - q_len + i + 1) for i in range(q_len)]
+    else:
+        rows = attention_mask[0, 0]
+        rows = rows if rows.dtype == torch.bool else rows == 0  # [q, kv]
+        counts = rows.sum(-1).tolist()
+        prefix = (rows.cumsum(-1) == torch.arange(1, kv_len + 1, device=rows.device)).sum(-1).tolist()
+        visible = [
+            slice(0, n) if n == p else rows[i].nonzero()[:, 0]
+            for i, (n, p) in enumerate(zip(counts, prefix, strict=True))
+        ]
+    _VISIBLE.set((attention_mask, (q_len, kv_len), visible))
+    return visible
 
 
 def row_invariant_attention(module, query, key, value, attention_mask, **kwargs):
@@ -39,16 +61,13 @@ def row_invariant_attention(module, query, key, value, attention_mask, **kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
     if q_len == 1 or not _ROWWISE.get() or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    kwargs_row = {**kwargs, "is_causal": False}
     rows = []
-    for i in range(q_len):
-        if attention_mask is None:
-            visible = slice(0, kv_len - q_len + i + 1)
+    for i, visible in enumerate(_visible_keys(attention_mask, q_len, kv_len)):
+        if isinstance(visible, slice):
             k, v = key[:, :, visible], value[:, :, visible]
         else:
-            row = attention_mask[0, 0, i]
-            index = (row if row.dtype == torch.bool else row == 0).nonzero()[:, 0]  # [n_visible]
-            k, v = key.index_select(2, index), value.index_select(2, index)
-        kwargs_row = {**kwargs, "is_causal": False}
+            k, v = key.index_select(2, visible), value.index_select(2, visible)
         rows.append(sdpa_attention_forward(module, query[:, :, i : i + 1], k, v, None, **kwargs_row)[0])
     return torch.cat(rows, dim=1), None  # [B, q, heads, d]
 
@@ -61,9 +80,11 @@ AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 def rows_invariant(loaded) -> Iterator[None]:
     """Within this block, multi-token forwards of `loaded` compute rows as one-token steps (reduced precision)."""
     token = _ROWWISE.set(getattr(loaded.model, "_lab_rows_invariant", False))
+    visible = _VISIBLE.set(None)
     try:
         yield
     finally:
+        _VISIBLE.reset(visible)
         _ROWWISE.reset(token)
 
 

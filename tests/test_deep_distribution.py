@@ -2,11 +2,11 @@
 
 On a tiny random Llama with a vocabulary of 6 (LM head x10 so p is far from uniform; EOS never emitted), the first
 three generated tokens of many independent runs of `lab.speculative.tree.tree_loop` are compared by chi-square
-(`tests.stats.assert_joint_matches`, cells (x1, x2) x x3) with their exact joint p(x1) p(x2 | x1) p(x3 | x1, x2)
-under the run's processors, computed from full forwards without a cache. x1 comes from the prefill forward; x2
-and x3 come from the first tree round, whose draft has depth 2 (max_new_tokens = 4 leaves it a budget of 2), or
-from a second round after an early rejection. Each test also checks that the first round accepted one and two
-draft nodes often, so the rule was exercised below the root and not only on recoveries.
+(`tests.stats.assert_joint_matches` over the V^3 cells (x1, x2, x3)) with their exact joint
+p(x1) p(x2 | x1) p(x3 | x1, x2) under the run's processors, computed from full forwards without a cache. x1 comes
+from the prefill forward; x2 and x3 come from the first tree round, whose draft has depth 2 (max_new_tokens = 4
+leaves it a budget of 2), or from a second round after an early rejection. Each test also checks that the first
+round accepted one and two draft nodes often, so the rule was exercised below the root and not only on recoveries.
 - Medusa (random heads, the tuned `CHOICES` tree cut to depth 2: 3 + 3 nodes) and EAGLE-2 (a random head growing
   a depth-2 tree with 3 children per node, 8 kept): deterministic candidates, the sibling-by-sibling rule;
 - MTPC in sample mode: a chain of 2 drawn from a random circuit with its q rows, Leviathan et al.'s Alg. 1.
@@ -56,7 +56,7 @@ def target() -> LoadedModel:
 
 
 def exact_joint(loaded: LoadedModel, config: SamplingConfig) -> torch.Tensor:
-    """p(x1) p(x2 | x1) p(x3 | x1, x2) after PROMPT, from full forwards: [V * V, V], rows (x1, x2), columns x3."""
+    """p(x1) p(x2 | x1) p(x3 | x1, x2) after PROMPT, from full forwards: [V, V, V]."""
 
     def p_next(ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
@@ -69,11 +69,11 @@ def exact_joint(loaded: LoadedModel, config: SamplingConfig) -> torch.Tensor:
         p2 = p_next(PROMPT + [a])
         for b in range(V):
             joint[a, b] = p1[a] * p2[b] * p_next(PROMPT + [a, b])
-    return joint.reshape(V * V, V)
+    return joint
 
 
-def draw(loaded: LoadedModel, proposer: Proposer, settings: TreeSettings) -> tuple[list[tuple[int, int]], list[int]]:
-    """N_DRAWS runs: the cells ((x1, x2), x3) of their first three tokens, and how many runs' first tree round
+def draw(loaded: LoadedModel, proposer: Proposer, settings: TreeSettings) -> tuple[list[tuple[int, ...]], list[int]]:
+    """N_DRAWS runs: the first three tokens (x1, x2, x3) of each, and how many runs' first tree round
     accepted 0, 1 and 2 draft nodes. Each run is closed after its third token."""
     generator, samples, depths = torch.Generator().manual_seed(0), [], [0, 0, 0]
     for _ in range(N_DRAWS):
@@ -86,7 +86,7 @@ def draw(loaded: LoadedModel, proposer: Proposer, settings: TreeSettings) -> tup
                 if len(tokens) == 3:
                     break
         run.close()
-        samples.append((tokens[0] * V + tokens[1], tokens[2]))
+        samples.append(tuple(tokens))
     return samples, depths
 
 

@@ -191,13 +191,17 @@ def test_budget_is_exact_and_events_are_consistent(tiny_trained) -> None:
     trees = [e for e in events if isinstance(e, TreeRound)]
     drafts = {e.step: e for e in events if isinstance(e, EagleDraft)}
     assert sum(t.emitted for t in trees) == len(tokens_of(events)) - 1  # + the token from the prefill forward
+    # an EagleDraft per drafted round; only a last round with no budget left (one token to go) drafts nothing
+    assert sorted(drafts) == [t.step for t in trees if t.tokens] and all(t.tokens for t in trees[:-1])
     for tree in trees:
+        path = [-1] + tree.accepted
+        assert all(tree.parents[node] == path[i] for i, node in enumerate(tree.accepted))
+        if not tree.tokens:
+            continue
         draft = drafts[tree.step]
         kept = sorted(k for k in draft.kept if k >= 0)
         assert kept == list(range(len(tree.tokens))) and len(kept) <= draft.total_tokens
         assert all(draft.scores[i] >= draft.threshold for i, k in enumerate(draft.kept) if k >= 0)
-        path = [-1] + tree.accepted
-        assert all(tree.parents[node] == path[i] for i, node in enumerate(tree.accepted))
     finished = events[-1]
     assert isinstance(finished, RunFinished) and finished.draft_forwards > 0
     trace = from_json(to_json(Trace("eagle", loaded.spec, "p", {}, events)))

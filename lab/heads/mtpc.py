@@ -137,6 +137,7 @@ class Circuit:
         w = self.root_weights.exp()  # [r]
         p1, p2 = self.logp[1].exp(), self.logp[2].exp()  # [r, V_d]
         q1, q2 = w @ p1, w @ p2
+        top = min(top, q1.numel())
         a, b = torch.topk(q1, top).indices, torch.topk(q2, top).indices
         joint = torch.einsum("z,za,zb->ab", w, p1[:, a], p2[:, b])  # [top, top]
         product = q1[a][:, None] * q2[b][None, :]

@@ -61,7 +61,9 @@ class Acceptance:
     def ended_by(self, eos_ids: tuple[int, ...]) -> Acceptance:
         """An accepted EOS ends the text: nothing is drawn after it."""
         if self.accepted and self.accepted[-1] in eos_ids and self.next_token is not None:
-            return Acceptance(self.accepted, self.uniforms, self.ratios, None, None, self.path, self.rejected)
+            return Acceptance(
+                self.accepted, self.uniforms, self.ratios, None, None, self.path, self.rejected, lossy=self.lossy
+            )
         return self
 
 

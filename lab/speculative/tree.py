@@ -23,7 +23,7 @@ from lab.models import LoadedModel
 from lab.profile import section
 from lab.sampling import SamplingConfig, choose_token, process_logits
 from lab.speculative.acceptance import accept
-from lab.speculative.draft import Draft, DraftContext, Proposer, Verified
+from lab.speculative.draft import DraftContext, Proposer, Verified
 from lab.speculative.emitter import Emitter, sources_of
 from lab.speculative.events import tree_round
 from lab.speculative.verify import commit, features_of, path_rows, verify
@@ -64,7 +64,7 @@ def tree_loop(
             context = DraftContext(tokens, budget, config, generator, eos, 0, None, step, out.text_of)
             t0 = time.perf_counter()
             with section("draft"):
-                draft = proposer.propose(context) if budget > 0 else Draft([])  # 1.
+                draft = proposer.propose(context)  # 1. (budget 0: an empty draft, the views still get its details)
             t1 = time.perf_counter()
             v = verify(state, root, draft, config, tokens, layers)  # 2.
             with section("accept"):
