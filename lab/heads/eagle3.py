@@ -55,6 +55,13 @@ def fuse_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int])
     return torch.cat([hidden_states[i] for i in sorted(layer_ids)], dim=-1)
 
 
+def target_features(head: nn.Module, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """What a draft head reads from a target forward: EAGLE-3 the fused layers, EAGLE-1/2 the last. [T, F]"""
+    if isinstance(head, Eagle3Head):
+        return fuse_features(hidden_states, head.layer_ids)
+    return hidden_states[-1]
+
+
 def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) for a draft vocabulary given as sorted target ids: d2t[i] = id_i - i, t2d[id_i] = True."""
     draft_ids = draft_ids.long().cpu()
