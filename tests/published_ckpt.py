@@ -188,3 +188,18 @@ def write(
     else:
         torch.save(tensors, str(folder / weights))
     return folder
+
+
+def golden_target(d: dict = DIMS, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target pieces a head reads, fp16-exact: token embedding and LM head weights [V, H] each (float32)."""
+    g = torch.Generator().manual_seed(seed + 100)
+    embed = (torch.randn(d["vocab"], d["hidden"], generator=g) * 0.5).half().float()
+    lm = (torch.randn(d["vocab"], d["hidden"], generator=g) * 0.5).half().float()
+    return embed, lm
+
+
+def golden_inputs(width: int, d: dict = DIMS, seed: int = 0, length: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features [T, width] (the target's, fp16-exact) and the tokens x_{p+1} paired with them [T]."""
+    g = torch.Generator().manual_seed(seed + 200)
+    features = torch.randn(length, width, generator=g).half().float()
+    return features, torch.randint(1, d["vocab"], (length,), generator=g)
