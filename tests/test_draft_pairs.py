@@ -95,3 +95,16 @@ def test_draft_presets_name_the_known_pairs() -> None:
     )
     for draft, targets in presets.DRAFT_PAIRS.items():
         assert {draft, *targets} <= set(presets.MODELS)
+
+
+def test_models_doc_covers_every_strategy_and_every_head_layout() -> None:
+    from lab import learn
+    from lab.heads.published import LAYOUTS
+
+    text = learn.models_markdown()
+    table = text.split("## Draft heads")[0].lower()
+    labels = {"tot": "tree of thoughts", "rlm": "recursive lm", "speculative": "speculative, ssd", "ssd": "ssd"}
+    assert all(labels.get(name, name) in table for name in REGISTRY), "a strategy is missing from docs/models.md"
+    named = {"eagle": "SafeAILab EAGLE-1/2", "eagle3": "SafeAILab EAGLE-3", "speculators-eagle3": "speculators",
+             "medusa": "FasterDecoding Medusa"}  # fmt: skip
+    assert set(named) == set(LAYOUTS) and all(label in text for label in named.values())
