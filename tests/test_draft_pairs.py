@@ -36,11 +36,12 @@ def byte_tokenizer(seed: int | None) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-def save_model(folder, seed: int, tokenizer) -> str:
+def save_model(folder, seed: int, tokenizer, layers: int = 2) -> str:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2, bos_token_id=1, tie_word_embeddings=False,
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2, bos_token_id=1,
+        tie_word_embeddings=False,
     )  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))

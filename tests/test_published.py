@@ -252,3 +252,30 @@ def test_medusa_tree_uses_each_heads_own_output_layer(target, tmp_path) -> None:
     params = build_params(s.Params, {"max_new_tokens": 4, "heads_path": str(folder)})
     first = next(e for e in s.run(target, prompt, params, gen()) if isinstance(e, TreeRound))
     assert first.head_top_ids == expected
+
+
+def test_the_app_handler_shows_the_message_and_keeps_serving(tmp_path) -> None:
+    """Through the app's gradio-free run path (ui.common.stream_trace): a bad head is a gr.Error with the
+    loader's message, and the next request with a good head streams to its final trace."""
+    import time
+
+    import gradio as gr
+
+    from lab.validation import validate_request
+    from tests.test_draft_pairs import byte_tokenizer, save_model
+    from ui.common import stream_trace
+
+    tokenizer = byte_tokenizer(None)
+    model = save_model(tmp_path / "model", 0, tokenizer, layers=D["layers"])
+    dims = {**D, "vocab": len(tokenizer)}
+    bad = ckpt.write("eagle3", tmp_path / "bad", {**dims, "hidden": 48})
+    good = ckpt.write("eagle3", tmp_path / "good", dims)
+
+    def request(folder):
+        params = {"heads_path": str(folder), "max_new_tokens": 6}
+        return validate_request("eagle", "hello", params, model=model, device="cpu", dtype="float32", chat=False)
+
+    with pytest.raises(gr.Error, match="hidden size 48 vs 32"):
+        list(stream_trace(request(bad), time.monotonic() + 60))
+    *_, (trace, final, _) = stream_trace(request(good), time.monotonic() + 60)
+    assert final and sum(type(e).__name__ == "TokenEmitted" for e in trace.events) == 6
