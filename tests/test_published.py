@@ -279,3 +279,16 @@ def test_the_app_handler_shows_the_message_and_keeps_serving(tmp_path) -> None:
         list(stream_trace(request(bad), time.monotonic() + 60))
     *_, (trace, final, _) = stream_trace(request(good), time.monotonic() + 60)
     assert final and sum(type(e).__name__ == "TokenEmitted" for e in trace.events) == 6
+
+
+def test_lab_context_last_reads_from_the_last_prompt_position(target, tmp_path) -> None:
+    import json
+
+    folder = write("eagle3", tmp_path / "lab", target)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "lab_context": "last"}))
+    assert published_build.cached("eagle", target, str(folder)).reads_prompt is False
+    assert published_build.cached("eagle", target, str(write("eagle3", tmp_path / "pub", target))).reads_prompt
+    prompt = target.encode("context", chat=False)
+    plain = tokens("greedy", target, prompt, max_new_tokens=12)
+    assert tokens("eagle", target, prompt, max_new_tokens=12, heads_path=str(folder)) == plain

@@ -24,7 +24,8 @@ Options of the `speculators` format are supported as flags on the config: `norm_
 `fc_norm` (one RMSNorm per fused feature); `fc_bias` covers older exports with a biased `fc`.
 Not covered: more than one draft decoder layer, Qwen3-style q/k norms inside the draft layer, sliding windows.
 `EagleCache` (lab.heads.eagle) drives this head unchanged: `extend` gets fused target features, `tree_step`
-the head's own outputs.
+the head's own outputs. A folder written by `save_eagle3` loads through `heads_path` (lab.heads.published_build)
+with the whole prompt as context, or from the last prompt position if its config has `"lab_context": "last"`.
 """
 
 from __future__ import annotations

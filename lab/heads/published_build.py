@@ -12,7 +12,8 @@
 - FasterDecoding Medusa -> `ResBlockHeads`: head k is medusa_num_layers residual blocks u <- u + SiLU(W u + b)
   followed by its own output layer W_k (Cai et al. 2024, Eq. 1 with a per-head LM head), over the full vocabulary.
 The token embedding is always the target's (published EAGLE-1 files carry a copy of it, ignored).
-Published heads read the whole prompt as context (`reads_prompt`), as their reference implementations do.
+Published heads read the whole prompt as context (`reads_prompt`), as their reference implementations do; a
+config key `"lab_context": "last"` (the lab's own heads trained from the last prompt position) turns that off.
 Not covered: checkpoints with more than one draft decoder layer, Qwen3-style q/k norms in an EAGLE-3 layer.
 """
 
@@ -70,7 +71,7 @@ def eagle_head(loaded: LoadedModel, published: Published) -> EagleHead:
     layer_config = LlamaConfig(**{k: v for k, v in c.items() if k not in ("architectures", "torch_dtype")})
     head._target["rotary"] = LlamaRotaryEmbedding(layer_config).to(loaded.device)
     head.layer.post_attention_layernorm.variance_epsilon = float(c.get("rms_norm_eps", 1e-6))
-    head.reads_prompt = True
+    head.reads_prompt = reads_prompt(c)
     return head
 
 
@@ -113,8 +114,14 @@ def eagle3_head(loaded: LoadedModel, published: Published) -> Eagle3Head:
         head = build_eagle3(config, loaded.embeddings, tensors, device=loaded.device, dtype=loaded.dtype)
     except (ValueError, RuntimeError, TypeError) as error:
         raise InputError(f"The EAGLE-3 head at {published.weights} does not load: {error}") from None
-    head.reads_prompt = True
+    head.reads_prompt = reads_prompt(config)
     return head
+
+
+def reads_prompt(config: dict) -> bool:
+    """Whole-prompt context (the references' way) unless the config says `"lab_context": "last"` (a lab head
+    trained, like the lab's EAGLE-1 head, from the last prompt position on)."""
+    return config.get("lab_context", "prompt") != "last"
 
 
 def _default_ids(published: Published, loaded: LoadedModel) -> list[int]:
