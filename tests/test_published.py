@@ -292,3 +292,24 @@ def test_lab_context_last_reads_from_the_last_prompt_position(target, tmp_path) 
     prompt = target.encode("context", chat=False)
     plain = tokens("greedy", target, prompt, max_new_tokens=12)
     assert tokens("eagle", target, prompt, max_new_tokens=12, heads_path=str(folder)) == plain
+
+
+def test_a_narrower_eagle3_draft_brings_its_own_embedding(target, tmp_path) -> None:
+    """speculators' `target_hidden_size`: fc reads 3 x the target's H, the draft layer runs at its own width."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    narrow = {**D, "hidden": 16, "intermediate": 32}
+    folder = ckpt.write("speculators-eagle3", tmp_path / "narrow", narrow, embed=torch.randn(D["vocab"], 16))
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["fc.weight"] = torch.randn(16, 3 * D["hidden"]).half()  # 3 x the target's hidden size
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "target_hidden_size": D["hidden"]}))
+    head = published_build.cached("eagle", target, str(folder))
+    assert head.fc.in_features == 3 * D["hidden"] and head.fc.out_features == 16
+    prompt = target.encode("narrow", chat=False)
+    assert tokens("eagle", target, prompt, max_new_tokens=10, heads_path=str(folder)) == tokens(
+        "greedy", target, prompt, max_new_tokens=10
+    )

@@ -94,6 +94,8 @@ def read_tensors(file: Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(str(file), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
+        if "weights only load failed" not in str(error).lower():  # a damaged pickle, not a refused one
+            raise InputError(f"Cannot read {file}: the pickle is incomplete or corrupt (truncated?): {error}") from None
         raise InputError(
             f"Refused {file}: torch.load(weights_only=True) rejects this pickle (it holds more than tensors, and "
             f"the lab never unpickles arbitrary objects). Convert it to safetensors. Detail: {error}"

@@ -11,7 +11,8 @@
   `transformer_layer_config`, and the format's flags (`norm_before_residual`, `norm_output`, ...) carry over.
 - FasterDecoding Medusa -> `ResBlockHeads`: head k is medusa_num_layers residual blocks u <- u + SiLU(W u + b)
   followed by its own output layer W_k (Cai et al. 2024, Eq. 1 with a per-head LM head), over the full vocabulary.
-The token embedding is always the target's (published EAGLE-1 files carry a copy of it, ignored).
+The token embedding is the target's (published EAGLE-1 files carry a copy of it, ignored), except for an
+EAGLE-3 draft whose hidden size differs from the target's (`target_hidden_size`): it brings `embed_tokens`.
 Published heads read the whole prompt as context (`reads_prompt`), as their reference implementations do; a
 config key `"lab_context": "last"` (the lab's own heads trained from the last prompt position) turns that off.
 Not covered: checkpoints with more than one draft decoder layer, Qwen3-style q/k norms in an EAGLE-3 layer.
@@ -110,8 +111,12 @@ def eagle3_head(loaded: LoadedModel, published: Published) -> Eagle3Head:
         "vocabulary": config.get("vocab_size") or (tensors["t2d"].numel() if "t2d" in tensors else None),
     })  # fmt: skip
     config["eagle_aux_hidden_state_layer_ids"] = [int(i) for i in ids]
+    embed = loaded.embeddings
+    if int(config.get("hidden_size", 0)) != int(loaded.config.hidden_size):  # a draft narrower than the target
+        require(published, ["embed_tokens.weight"])  # brings its own embedding
+        embed = torch.nn.Embedding.from_pretrained(tensors["embed_tokens.weight"].to(loaded.device, loaded.dtype))
     try:
-        head = build_eagle3(config, loaded.embeddings, tensors, device=loaded.device, dtype=loaded.dtype)
+        head = build_eagle3(config, embed, tensors, device=loaded.device, dtype=loaded.dtype)
     except (ValueError, RuntimeError, TypeError) as error:
         raise InputError(f"The EAGLE-3 head at {published.weights} does not load: {error}") from None
     head.reads_prompt = reads_prompt(config)
