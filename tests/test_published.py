@@ -313,3 +313,19 @@ def test_a_narrower_eagle3_draft_brings_its_own_embedding(target, tmp_path) -> N
     assert tokens("eagle", target, prompt, max_new_tokens=10, heads_path=str(folder)) == tokens(
         "greedy", target, prompt, max_new_tokens=10
     )
+
+
+@pytest.mark.embedded
+def test_eagle3_layout_on_the_embedded_model(embedded, tmp_path) -> None:
+    """A SafeAILab EAGLE-3 checkpoint (pickle, as yuhuili's) for SmolLM2-135M's shape: greedy EAGLE = greedy."""
+    c = embedded.config
+    dims = {"hidden": c.hidden_size, "intermediate": c.intermediate_size, "heads": c.num_attention_heads,
+            "kv_heads": c.num_key_value_heads, "vocab": embedded.vocab_size, "layers": embedded.num_layers,
+            "draft_vocab": 4096}  # fmt: skip
+    folder = ckpt.write("eagle3", tmp_path / "smollm2-eagle3", dims)
+    head = published_build.cached("eagle", embedded, str(folder))
+    assert head.layer_ids == [2, 15, 27]  # 2, L // 2, L - 3 of a 30-layer model
+    prompt = embedded.encode("Explain speculative decoding in one sentence.")
+    plain = tokens("greedy", embedded, prompt, max_new_tokens=16)
+    drafted = tokens("eagle", embedded, prompt, max_new_tokens=16, heads_path=str(folder), total_tokens=8, depth=2)
+    assert drafted == plain
