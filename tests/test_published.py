@@ -329,3 +329,23 @@ def test_eagle3_layout_on_the_embedded_model(embedded, tmp_path) -> None:
     plain = tokens("greedy", embedded, prompt, max_new_tokens=16)
     drafted = tokens("eagle", embedded, prompt, max_new_tokens=16, heads_path=str(folder), total_tokens=8, depth=2)
     assert drafted == plain
+
+
+def test_eagle1_biases_the_config_rules_out_are_zero(target, tmp_path) -> None:
+    """`"bias": false` (no fc.bias) and no `qkv_bias` (no q/k/v biases, on Qwen2 whose layer has them)."""
+    import json
+
+    folder = ckpt.write("eagle", tmp_path / "nobias", embed=target.embeddings.weight.detach())  # no qkv biases
+    tensors = torch.load(str(folder / "pytorch_model.bin"), weights_only=True)
+    del tensors["fc.bias"]
+    torch.save(tensors, str(folder / "pytorch_model.bin"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "bias": False}))
+    head = published_build.cached("eagle", target, str(folder))
+    assert not head.fc.bias.any()
+    q_bias = head.layer.self_attn.q_proj.bias
+    assert q_bias is None if type(target.model).__name__.startswith("Llama") else not q_bias.any()
+    assert head._target["lm_weight"].data_ptr() == target.lm_head.weight.data_ptr()  # no copy of the LM head
+    prompt = target.encode("biases", chat=False)
+    plain = tokens("greedy", target, prompt, max_new_tokens=10)
+    assert tokens("eagle", target, prompt, max_new_tokens=10, heads_path=str(folder)) == plain

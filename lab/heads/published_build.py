@@ -4,7 +4,8 @@
   of the target's class without input norm, as SafeAILab's index-0 layer), `fc` reads [e(x); f], the target's
   LM head scores the full vocabulary, the rotary embedding and norm epsilon follow the head's config.json.
   Biases the config says the head has not (`"bias": false` for `fc`, no `qkv_bias` on a target whose layer
-  class has q/k/v biases, e.g. Qwen2) are zero.
+  class has q/k/v biases, e.g. Qwen2) are zero. The head's rotary embedding and LM-head rows are set on its
+  `_target` dict (the EagleHead's frozen, unsaved pieces); the LM head is the target's own tensor, not a copy.
 - SafeAILab EAGLE-3 -> `lab.heads.eagle3.Eagle3Head` with the tensors as they are; the fused layers are
   `eagle_aux_hidden_state_layer_ids` if the config names them, else 2, L // 2, L - 3 of the target.
 - speculators EAGLE-3 -> the same head: `layers.0.` becomes `midlayer.`, the decoder config is
@@ -38,10 +39,17 @@ from lab.params import InputError
 PRIOR_TREE = tune_choices([[0.6 * 0.8**d * 0.5**i for i in range(10)] for d in range(5)], max_nodes=64)
 
 
-def _no_bias(state: dict, tensors: dict, suffixes: tuple[str, ...]) -> None:
-    for name, t in state.items():
-        if name.endswith(suffixes) and name not in tensors:
-            tensors[name] = torch.zeros_like(t)
+def _zero_biases(loaded: LoadedModel, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Zero biases for what the config says the head has not, where the lab's layer (the target's class) has them."""
+    attn = loaded.model.get_decoder().layers[0].self_attn
+    wanted = [("fc", not config.get("bias", True))]
+    wanted += [(f"layer.self_attn.{p}_proj", getattr(attn, f"{p}_proj").bias is not None and not config.get(
+        "qkv_bias", False)) for p in ("q", "k", "v")]  # fmt: skip
+    for name, zero in wanted:
+        if zero and f"{name}.weight" in tensors and f"{name}.bias" not in tensors:
+            tensors[f"{name}.bias"] = torch.zeros(
+                tensors[f"{name}.weight"].shape[0], dtype=tensors[f"{name}.weight"].dtype
+            )
 
 
 def eagle_head(loaded: LoadedModel, published: Published) -> EagleHead:
@@ -60,17 +68,14 @@ def eagle_head(loaded: LoadedModel, published: Published) -> EagleHead:
         for n, t in published.tensors.items()
         if n != "embed_tokens.weight"
     }
-    fresh = EagleHead(loaded, torch.arange(loaded.vocab_size)).state_dict()
-    if not c.get("bias", True):
-        _no_bias(fresh, tensors, ("fc.bias",))
-    if not c.get("qkv_bias", False):
-        _no_bias(fresh, tensors, ("q_proj.bias", "k_proj.bias", "v_proj.bias"))
+    _zero_biases(loaded, c, tensors)
     try:
         head = build_head(loaded, torch.arange(loaded.vocab_size), tensors)
     except (ValueError, RuntimeError) as error:
         raise InputError(f"The EAGLE head at {published.weights} does not load: {error}") from None
     layer_config = LlamaConfig(**{k: v for k, v in c.items() if k not in ("architectures", "torch_dtype")})
     head._target["rotary"] = LlamaRotaryEmbedding(layer_config).to(loaded.device)
+    head._target["lm_weight"] = loaded.lm_head.weight.detach()  # the full vocabulary: no copy of the LM head
     head.layer.post_attention_layernorm.variance_epsilon = float(c.get("rms_norm_eps", 1e-6))
     head.reads_prompt = reads_prompt(c)
     return head
