@@ -52,15 +52,14 @@ def default_layer_ids(num_layers: int) -> list[int]:
 
 
 def fuse_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
-    """[l; m; h]: the inputs of the fused layers (HF hidden_states[i] = input of layer i), concatenated. [..., 3H]"""
-    return torch.cat([hidden_states[i] for i in sorted(layer_ids)], dim=-1)
+    """[l; m; h]: the inputs of the fused layers (HF hidden_states[i] = input of layer i), concatenated in the
+    order given (the head's `layer_ids` are sorted, as vLLM collects them in layer order). [..., 3H]"""
+    return torch.cat([hidden_states[i] for i in layer_ids], dim=-1)
 
 
 def target_features(head: nn.Module, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """What a draft head reads from a target forward: EAGLE-3 the fused layers, EAGLE-1/2 the last. [T, F]"""
-    if isinstance(head, Eagle3Head):
-        return fuse_features(hidden_states, head.layer_ids)
-    return hidden_states[-1]
+    return fuse_features(hidden_states, list(getattr(head, "feature_layers", (-1,))))
 
 
 def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,6 +160,11 @@ class Eagle3Head(nn.Module):
     @property
     def draft_vocab_size(self) -> int:
         return int(self.lm_head.out_features)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target hidden states this head reads, in fusion order (indices into HF hidden_states)."""
+        return tuple(self.layer_ids)
 
     @property
     def vocab(self) -> torch.Tensor:
