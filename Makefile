@@ -55,7 +55,7 @@ bench: $(INSTALLED)
 gpu-check: $(DEV_INSTALLED)
 	$(PY) scripts/gpu_check.py --device cuda
 	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-		DECODING_LAB_TEST_DEVICE=cuda $(PY) -m pytest -q -m gpu tests/test_gpu.py; fi
+		DECODING_LAB_TEST_DEVICE=cuda $(PY) -m pytest -q -m gpu tests/test_gpu.py tests/test_published_gpu.py; fi
 
 # Browser end-to-end tests and the 20-session load test alone (both also run in `make test`).
 e2e: $(DEV_INSTALLED)

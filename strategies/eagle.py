@@ -24,7 +24,9 @@ Defaults (total_tokens 16, depth 3, branch 8) come from measuring the round's pa
 section has the table).
 Deliberate differences: EOS nodes are not expanded; no repetition penalty (it would depend on each node's path);
 the head only scores its draft vocabulary V_d (`lab.heads.eagle`).
-Not covered: EAGLE-3, batching, stochastic (sampled) draft trees.
+`heads_path` also takes published heads (SafeAILab EAGLE-1/2 and EAGLE-3, speculators EAGLE-3: lab.heads.published);
+an EAGLE-3 head (`lab.heads.eagle3`) reads the fused target layers it names through `feature_layers`.
+Not covered: batching, stochastic (sampled) draft trees.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
+from lab.heads import published_build
 from lab.heads.eagle import KIND, EagleHead, build_head
+from lab.heads.eagle3 import Eagle3Head
+from lab.heads.published import is_lab_stem
 from lab.models import LoadedModel
 from lab.params import DecodeParams, param
 from lab.registry import Strategy
@@ -55,7 +60,9 @@ class EagleParams(DecodeParams):
     branch: int = param(8, low=1, high=16, help="EAGLE-2's top_k: children per expanded node and frontier width.")
     temperature: float = param(1.0, low=0.05, high=2.0, help="sample: p = softmax(z / T) of the target.")
     top_p: float = param(1.0, low=0.05, high=1.0, help="sample: nucleus on p (1 = off).")
-    heads_path: str = param("", help="Trained EAGLE head file or stem (empty = the head shipped for this model).")
+    heads_path: str = param(
+        "", help="Lab head file/stem, or a published EAGLE / EAGLE-3 folder or Hub id (empty = shipped head)."
+    )
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -64,8 +71,11 @@ class EagleParams(DecodeParams):
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p)
 
 
-def cached_head(loaded: LoadedModel, path: str) -> EagleHead:
-    """The trained head for this model (shipped or `path`), loaded once per model, dtype and path."""
+def cached_head(loaded: LoadedModel, path: str) -> EagleHead | Eagle3Head:
+    """The trained head for this model (shipped, a lab file, or a published EAGLE / EAGLE-3 folder or Hub id:
+    `lab.heads.published`), loaded once per model, dtype and path."""
+    if path and not is_lab_stem(path):
+        return published_build.cached("eagle", loaded, path)
     return cached_heads(KIND, loaded, path, lambda tensors, config: build_head(loaded, tensors["vocab"], tensors))
 
 

@@ -19,6 +19,8 @@ Acceptance modes:
 Tree size (`tree_nodes`, default 8) is a CPU trade-off (README, Medusa section, has the measured table): a verify
 forward costs a little more per node on a CPU, while on a GPU larger trees are nearly free.
 The loop is `lab.speculative.tree.tree_loop`, the drafter `lab.speculative.proposers.medusa.MedusaProposer`.
+`heads_path` also takes FasterDecoding's Medusa heads (a folder or Hub id: lab.heads.published), each head with
+its own output layer over the full vocabulary.
 Not covered: repetition penalty (it would depend on each node's path), batching, Medusa-2.
 """
 
@@ -29,7 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from lab.heads import published_build
 from lab.heads.medusa import MedusaHeads
+from lab.heads.published import is_lab_stem
 from lab.models import LoadedModel
 from lab.registry import Strategy
 from lab.speculative.params import HeadTreeParams, tree_settings
@@ -45,9 +49,12 @@ class TreeParams(HeadTreeParams):
 
 
 def run(loaded: LoadedModel, prompt_ids: list[int], params: TreeParams, generator: torch.Generator) -> Iterator[Event]:
-    heads = cached_heads(
-        "medusa", loaded, params.heads_path, lambda t, c: MedusaHeads.from_tensors(loaded.lm_head.weight, t, c)
-    )
+    if params.heads_path and not is_lab_stem(params.heads_path):  # FasterDecoding's layout (lab.heads.published)
+        heads = published_build.cached("medusa", loaded, params.heads_path)
+    else:
+        heads = cached_heads(
+            "medusa", loaded, params.heads_path, lambda t, c: MedusaHeads.from_tensors(loaded.lm_head.weight, t, c)
+        )
     proposer = MedusaProposer(heads, params.tree_nodes)
     return tree_loop(loaded, prompt_ids, proposer, generator, tree_settings(params, "medusa"))
 

@@ -78,7 +78,9 @@ class HeadTreeParams(DecodeParams):
     delta: float = param(
         0.3, low=0.0, high=1.0, help="typical: entropy-scaled threshold delta in min(eps, delta e^-H)."
     )
-    heads_path: str = param("", help="Trained heads file or stem (empty = the heads shipped for this model).")
+    heads_path: str = param(
+        "", help="Lab heads file/stem; Medusa also a FasterDecoding folder or Hub id (empty = shipped heads)."
+    )
 
     @property
     def sampling(self) -> SamplingConfig:

@@ -55,8 +55,11 @@ def tree_loop(
         processed = process_logits(first.logits[-1:], config, prompt_ids)  # [1, V]
         root = choose_token(processed[0], config, generator)
         yield from out.emit(step, [root], ["target"], processed)
-        features = features_of(first.hidden_states, layers)[-1:] if layers else None  # [1, F]
-        proposer.accept(Verified(0, [root], len(prompt_ids) - 1, features))
+        features = features_of(first.hidden_states, layers) if layers else None  # [n, F]
+        if getattr(proposer, "reads_prompt", False):  # every prompt pair (f_p, x_{p+1}), as EAGLE's references
+            proposer.accept(Verified(0, list(prompt_ids[1:]) + [root], 0, features))
+        else:
+            proposer.accept(Verified(0, [root], len(prompt_ids) - 1, features[-1:] if layers else None))
         step = 1
         while out.stop_reason is None:
             tokens = prompt_ids + out.generated

@@ -11,7 +11,9 @@ child never outscores its parent, so the kept set is a tree). The head's cache d
 (`EagleCache.rollback`) and re-reads the accepted path with real features next round, as EAGLE's reference does.
 Candidates are deterministic (top-k): q is None and the sibling rule keeps sampling lossless.
 Deliberate differences: EOS nodes are not expanded; the head scores its draft vocabulary V_d only.
-Not covered: EAGLE-3's fused features (its head plugs in through `feature_layers`), batching, sampled trees.
+EAGLE-3 heads (`lab.heads.eagle3`) plug in unchanged: their `feature_layers` name the fused target layers, and
+published heads (`lab.heads.published_build`) set `reads_prompt`, so the loop hands over every prompt position.
+Not covered: batching, sampled trees.
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ class EagleProposer:
     def __init__(self, head: EagleHead, shape: TreeShape) -> None:
         self.head, self.shape = head, shape
         self.feature_layers = tuple(getattr(head, "feature_layers", (-1,)))
+        self.reads_prompt = bool(getattr(head, "reads_prompt", False))  # published heads: the whole prompt
         self.cache = EagleCache(head)
         self.forwards = 0
         self.pending: tuple[torch.Tensor, list[int], int] | None = None
