@@ -8,7 +8,7 @@ Effective GB/s = bytes of the weight operand (values plus scales) / time. Each k
 copies of its weight to exceed the last-level cache, as a decode step does when it streams every layer once.
 Timings are noisy on a shared machine: run it through /work/quiet and read the table as an estimate.
 
-usage: python scripts/roofline.py [--rows 1,8,16] [--repeats 7] [--json out.json]
+usage: python scripts/roofline.py [--rows 1,8,16] [--repeats 5] [--shapes q/o,head] [--json out.json]
 """
 
 from __future__ import annotations
@@ -27,15 +27,18 @@ WORKING_SET = 96 * 2**20  # bytes of weight copies cycled per kernel: about thre
 GROUP = 32  # the GGUF Q4_1 block length
 
 
-def best_seconds(fn: Callable[[int], object], calls: int, repeats: int) -> float:
-    """Best-of-`repeats` mean seconds per call of fn(i), i cycling over the copies."""
+def best_seconds(fn: Callable[[int], object], calls: int, repeats: int, budget_s: float = 4.0) -> float:
+    """Best-of-`repeats` mean seconds per call of fn(i), i cycling over the copies (fewer repeats once a
+    measurement has used `budget_s`: slow kernels would otherwise take minutes on a busy machine)."""
     fn(0)
-    best = float("inf")
+    best, begin = float("inf"), time.perf_counter()
     for _ in range(repeats):
         start = time.perf_counter()
         for i in range(calls):
             fn(i)
         best = min(best, (time.perf_counter() - start) / calls)
+        if time.perf_counter() - begin > budget_s:
+            break
     return best
 
 
@@ -94,9 +97,10 @@ def measure_shape(n: int, k: int, rows: list[int], repeats: int) -> list[dict]:
             def one(i: int, x=x, call=calls[name], pool=pool, copies=copies) -> object:
                 return call(x, pool[i % copies])
 
-            seconds = best_seconds(one, max(copies, 20), repeats)
+            seconds = best_seconds(one, min(max(copies, 20), 300), repeats)
             row = {"kernel": name, "n": n, "k": k, "rows": m, "us": seconds * 1e6, "MB": nbytes / 1e6}
             results.append(row | {"GB/s": nbytes / seconds / 1e9})
+            print(f"{name} {n}x{k} rows={m}: {seconds * 1e6:.0f} us, {nbytes / seconds / 1e9:.1f} GB/s", flush=True)
     return results
 
 
@@ -118,7 +122,7 @@ def format_table(bandwidth: dict[str, float], results: list[dict], rows: list[in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="1,8,16")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--shapes", default="", help="comma-separated substrings of shape labels (default all)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()

@@ -10,11 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lab.bench import build_requests
+from lab.bench_reference import LlamaCppRow
+from lab.cli import main
 from lab.heads.common import model_shape, save_heads
 from lab.heads.eagle import build_head, head_tensors
 from lab.heads.mtpc import init_tensors
 from lab.models import LoadedModel, wrap_model
-from lab.params import build_params
+from lab.params import InputError, build_params
 from lab.quant import (
     GROUP,
     Int4Linear,
@@ -26,7 +29,7 @@ from lab.quant import (
     quantized_copy,
     resolve_precision,
 )
-from lab.trace import TokenEmitted
+from lab.trace import TokenEmitted, Trace, from_json, to_json
 from strategies import collect, get_strategy
 from tests.tiny import ByteTokenizer, tiny_llama, tiny_loaded_model
 
@@ -172,4 +175,46 @@ def test_embedded_int4_holds_the_gguf_weights_and_decodes(embedded) -> None:
                 assert torch.equal(module.weight, expected), (index, name)  # the file's blocks, exactly
     prompt = int4.encode("Name three primary colours.")
     greedy = tokens(int4, "greedy", prompt, max_new_tokens=24)
-    assert len(greedy) == 24 and tokens(int4, "speculative", prompt, max_new_tokens=24) == greedy
+    assert len(set(greedy)) > 1 and tokens(int4, "speculative", prompt, max_new_tokens=24) == greedy
+    for name in ("eagle", "medusa"):  # the shipped heads read the int4 target's hidden states
+        assert tokens(int4, name, prompt, max_new_tokens=24) == greedy, name
+
+
+def test_bench_rows_carry_their_precision_and_bad_names_are_refused() -> None:
+    rows = ["greedy", "greedy@int4", "speculative@int8"]
+    options = ("smollm2-135m", "cpu", "float32")
+    requests = build_requests(rows, ["hi"], 4, 0, *options, {"speculative": {"gamma": "3"}}, precision="bf16")
+    assert [r[0].precision for r in requests.values()] == ["bf16", "int4", "int8"]
+    assert requests["speculative@int8"][0].params.gamma == 3 and requests["greedy@int4"][0].strategy.name == "greedy"
+    with pytest.raises(InputError, match="Unknown precision"):
+        build_requests(["greedy@int3"], ["hi"], 4, 0, *options)
+    assert main(["run", "--strategy", "greedy", "--prompt", "hi", "--precision", "int3"]) == 2
+
+
+def test_traces_record_dtype_and_precision_and_old_traces_still_load() -> None:
+    trace = Trace("greedy", "smollm2-135m", "hi", {"max_new_tokens": 1}, [])
+    trace.dtype, trace.precision = "bfloat16", "int4"
+    loaded = from_json(to_json(trace))
+    assert (loaded.dtype, loaded.precision) == ("bfloat16", "int4")
+    trace.dtype = trace.precision = ""
+    assert "precision" not in to_json(trace) and from_json(to_json(trace)).precision == ""
+
+
+def test_llama_cpp_row_says_how_to_get_it_or_needs_a_gguf() -> None:
+    import importlib.util
+
+    tiny = tiny_loaded_model(seed=0)
+    expected = "make bench-deps" if importlib.util.find_spec("llama_cpp") is None else "needs a GGUF"
+    with pytest.raises(InputError, match=expected):
+        LlamaCppRow(tiny, 64)
+
+
+@pytest.mark.embedded
+def test_embedded_llama_cpp_row_decodes_the_same_gguf(embedded) -> None:
+    pytest.importorskip("llama_cpp", reason="optional: make bench-deps")
+    row = LlamaCppRow(embedded, 256)
+    prompt = embedded.encode("Name three primary colours.")
+    first, again = row.time(prompt, 16), row.time(prompt, 16)
+    assert first.new_tokens == 16 or first.stop_reason == "eos"
+    assert first.token_ids == again.token_ids  # greedy, and the cache reset between runs
+    assert first.token_ids[0] == tokens(embedded, "greedy", prompt, max_new_tokens=1)[0]
