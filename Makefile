@@ -53,17 +53,13 @@ bench: $(INSTALLED)
 bench-deps: $(INSTALLED)
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PIP) install --no-binary llama-cpp-python "$(LLAMA_CPP_SPEC)"
 
-# Exactness tests and a short bench on CUDA; without a GPU it says so and exits 0. Needs a CUDA build of torch:
-# make gpu-check TORCH_SPEC=torch (the PyPI Linux wheel bundles CUDA).
+# Every strategy on CUDA (scripts/gpu_check.py: greedy exactness of every lossless method in fp32, one sampled run of
+# all ten strategies, a short timing, on tiny random models built there), then the CUDA tests of tests/test_gpu.py.
+# Without a GPU it says so and exits 0. Needs a CUDA build of torch: make gpu-check TORCH_SPEC=torch.
 gpu-check: $(DEV_INSTALLED)
+	$(PY) scripts/gpu_check.py --device cuda
 	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-		$(PY) -c "import torch; print('gpu-check on', torch.cuda.get_device_name(0), '| torch', torch.__version__)" && \
-		DECODING_LAB_TEST_DEVICE=cuda $(PY) -m pytest -q -m gpu tests/test_gpu.py && \
-		$(PY) -m lab bench --device cuda --strategies greedy,speculative --limit 4 --max-new-tokens 64; \
-	else \
-		$(PY) -c "import torch; print(f'gpu-check: no CUDA GPU visible to torch {torch.__version__}', \
-		f'(CUDA build: {torch.version.cuda or \"none, a CPU-only wheel\"}); nothing to check, exiting 0.')"; \
-	fi
+		DECODING_LAB_TEST_DEVICE=cuda $(PY) -m pytest -q -m gpu tests/test_gpu.py; fi
 
 # Browser end-to-end tests and the 20-session load test alone (both also run in `make test`).
 e2e: $(DEV_INSTALLED)

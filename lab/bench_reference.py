@@ -22,6 +22,8 @@ import torch
 
 from lab.models import EMBEDDED_GGUF, EMBEDDED_MODEL, LoadedModel, embedded_model_dir
 from lab.params import InputError
+from lab.speculative.proposers.draft_model import load_draft_model
+from lab.speculative.proposers.self_draft import self_draft_view
 
 HF_ROW = "hf-generate"
 HF_ASSIST_ROW = "hf-assist"
@@ -89,8 +91,6 @@ def hf_assist_kwargs(loaded: LoadedModel, hf_assist: str, settings: dict[str, in
         tokens, ngram = settings.get("gamma", 10), settings.get("max_ngram", 2)
         kwargs = {"prompt_lookup_num_tokens": tokens, "max_matching_ngram_size": ngram}
         return kwargs, f"transformers assisted generation, prompt lookup ({tokens} tokens, n-gram {ngram})"
-    from lab.proposers import load_draft_model, self_draft_view
-
     if hf_assist.startswith(HF_SELF_DRAFT):  # self-draft or self-draft:L, the lab's self-drafter as the assistant
         layers = hf_assist.removeprefix(HF_SELF_DRAFT).lstrip(":") or str(settings.get("draft_layers", 8))
         if not layers.isdigit():

@@ -22,6 +22,7 @@ from typing import Any
 from lab.models import DEVICES, DTYPES, EMBEDDED_MODEL, ModelLoadError
 from lab.params import InputError, param_specs
 from lab.quant import PRECISIONS
+from lab.registry import by_family, registry
 
 # Modules that add subcommands: each defines register(commands, evaluations, add_model_options), adds its parsers
 # to `commands` (top-level) or `evaluations` (under `eval`) and sets `handler=fn(args) -> exit code` on them.
@@ -127,10 +128,8 @@ def parse_sets(items: list[str]) -> dict[str, str]:
 
 def cmd_list(args: argparse.Namespace) -> int:
     """Print the strategies grouped by family, or all of them as JSON."""
-    from strategies import REGISTRY, by_family
-
     if args.json:
-        items = [strategy_dict(strategy) for strategy in REGISTRY.values()]
+        items = [strategy_dict(strategy) for strategy in registry().values()]
         print(json.dumps(items, indent=2))
         return EXIT_OK
     for family, members in by_family().items():

@@ -12,7 +12,7 @@ rows, the mean truncation size k over the last N/2 tokens (v1's k, v2's kept set
 and rep-4 = 1 - distinct / total 4-grams of token ids in the last N/2 tokens, averaged over prompts (repetition,
 the boredom trap's symptom).
 Rows: Mirostat v2 then v1 (paper convention, default eta) for each tau, then the baselines (plain top-k / top-p
-at T = 1, `strategies.mirostat.TruncationSampler`; "top-p=1" is untruncated sampling). The model loads once and
+at T = 1, `lab.mirostat.TruncationSampler`; "top-p=1" is untruncated sampling). The model loads once and
 every row runs in this process; progress goes to the callback (stderr in the CLI).
 Not covered: judging text quality, word-level surprise, the llama.cpp convention (run it with `lab run`).
 """
@@ -24,9 +24,11 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lab.mirostat import LoopSpec, TruncationSampler, baseline_steps
 from lab.models import EMBEDDED_MODEL, LoadedModel, load_model
 from lab.params import InputError, build_params
 from lab.prompts import load_prompts
+from lab.registry import get_strategy
 from lab.runner import make_generator
 from lab.trace import MirostatStep
 from lab.validation import check_prompt_fits, validate_request
@@ -136,26 +138,22 @@ def summarize_row(spec: RowSpec, runs: list[list[MirostatStep]]) -> EvalRow:
 
 def run_row(spec: RowSpec, loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int, seed: int) -> list:
     """One prompt of one row: its MirostatStep events (series of the row's sampler only)."""
-    from strategies import mirostat  # lab <- strategies <- lab: resolved at call time
-
     generator = make_generator(seed, loaded.device)
     if spec.method == "mirostat":
         values = {"version": spec.version, "tau": spec.value, "ignore_eos": True, "max_new_tokens": max_new_tokens}
-        params = build_params(mirostat.MirostatParams, values)
-        events = mirostat.run(loaded, prompt_ids, params, generator)
+        strategy = get_strategy("mirostat")
+        events = strategy.run(loaded, prompt_ids, build_params(strategy.Params, values), generator)
     else:
-        sampler = mirostat.TruncationSampler(spec.method, spec.value)
-        spec_loop = mirostat.LoopSpec(spec.method, sampler.label, 0.0, max_new_tokens, True, False)
-        events = mirostat.baseline_steps(loaded, prompt_ids, sampler, spec_loop, generator)
+        sampler = TruncationSampler(spec.method, spec.value)
+        spec_loop = LoopSpec(spec.method, sampler.label, 0.0, max_new_tokens, True, False)
+        events = baseline_steps(loaded, prompt_ids, sampler, spec_loop, generator)
     return [e for e in events if isinstance(e, MirostatStep) and e.series in ("mirostat", spec.method)]
 
 
 def build_rows(taus: tuple[float, ...], baselines: str) -> list[RowSpec]:
     """Mirostat v2 then v1 for each tau (validated against the strategy's tau range), then the baselines."""
-    from strategies.mirostat import MirostatParams
-
     for tau in taus:
-        build_params(MirostatParams, {"tau": tau})
+        build_params(get_strategy("mirostat").Params, {"tau": tau})
     mirostat_rows = [RowSpec("mirostat", version, tau) for version in ("v2", "v1") for tau in taus]
     return mirostat_rows + parse_baselines(baselines)
 

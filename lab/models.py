@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lab.invariance import make_rows_invariant
 from lab.quant import quantize_model, resolve_precision
 
 EMBEDDED_MODEL = "smollm2-135m"
@@ -176,6 +177,7 @@ def _from_pretrained(spec: str, torch_dtype: torch.dtype, device: torch.device, 
     model = model.to(torch_dtype)
     if device_map is None:
         model = model.to(device)
+    make_rows_invariant(model)  # verify rows decide as decode steps in bf16 (lab.invariance)
     return model.eval(), tokenizer
 
 
@@ -251,4 +253,5 @@ def wrap_model(model: nn.Module, tokenizer: object, spec: str = "in-memory") -> 
     from lab.quant import precision_of
 
     parameter = next(model.parameters())
+    make_rows_invariant(model)
     return LoadedModel(spec, model.eval(), tokenizer, parameter.device, parameter.dtype, precision_of(model))

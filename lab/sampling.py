@@ -1,11 +1,10 @@
-"""Sampling: logits processors, `sample`, and the speculative acceptance rule (DESIGN.md section 5).
+"""Sampling: logits processors and `sample` (DESIGN.md section 5).
 
 Every function is pure (inputs are never modified) and every random draw comes from an explicit
 `torch.Generator`. Processors follow Hugging Face's semantics and order (repetition penalty, then temperature,
 top-k, top-p, min-p) so a seeded run is comparable with `model.generate`.
-`accept_draft` implements Leviathan et al. 2023, Alg. 1 (also Chen et al. 2023) in the paper's symbols:
-p = target distribution, q = draft distribution.
-Not covered: typical acceptance (lossy, arrives with Medusa), batched acceptance over several sequences.
+The speculative acceptance rules (Leviathan et al. 2023, Alg. 1 and the tree rules) are in
+`lab.speculative.acceptance`. Not covered: batched sampling over several sequences.
 """
 
 from __future__ import annotations
@@ -116,55 +115,3 @@ def target_distribution(processed_logits: torch.Tensor, config: SamplingConfig) 
     if config.greedy:
         return torch.nn.functional.one_hot(processed_logits.argmax(-1), processed_logits.shape[-1]).float()
     return processed_logits.softmax(dim=-1)
-
-
-@dataclass(frozen=True)
-class Acceptance:
-    """Outcome of verifying one draft: accepted prefix, then a recovered token (on a rejection) or a bonus."""
-
-    accepted: list[int]  # draft tokens kept, in order
-    uniforms: list[float]  # u_i drawn for each examined draft token
-    ratios: list[float]  # min(1, p(x_i) / q(x_i)) for each examined draft token
-    recovered: int | None  # token resampled from norm(max(0, p - q)) at the first rejection
-    bonus: int | None  # token sampled from p after the last draft token when all were accepted
-
-    @property
-    def tokens(self) -> list[int]:
-        """Everything this round emits: accepted draft tokens plus the recovered or bonus token."""
-        extra = self.recovered if self.recovered is not None else self.bonus
-        return self.accepted + [extra]
-
-
-def accept_draft(
-    p_target: torch.Tensor,
-    q_draft: torch.Tensor | None,
-    draft_tokens: list[int],
-    generator: torch.Generator,
-) -> Acceptance:
-    """Leviathan et al. 2023, Alg. 1: accept x_i with probability min(1, p_i(x_i) / q_i(x_i)).
-
-    p_target: [gamma + 1, V], row i is the target distribution after the first i draft tokens.
-    q_draft: [gamma, V] draft distributions, or None for a deterministic drafter (q = one-hot at x_i, so the
-    ratio is p_i(x_i) and the residual is p_i without x_i): the output is distributed exactly as p either way.
-    On the first rejection the recovered token is drawn from norm(max(0, p_i - q_i)); when every draft token is
-    accepted a bonus token is drawn from p_gamma.
-    """
-    gamma = len(draft_tokens)
-    if p_target.shape[0] != gamma + 1:
-        raise ValueError(f"p_target needs gamma + 1 = {gamma + 1} rows, got {p_target.shape[0]}")
-    uniforms, ratios = [], []
-    for i, token in enumerate(draft_tokens):
-        p_i = p_target[i]
-        one_hot = torch.zeros_like(p_i).index_fill(0, torch.tensor([token], device=p_i.device), 1.0)
-        q_i = q_draft[i] if q_draft is not None else one_hot
-        q_x = float(q_i[token])
-        ratio = 1.0 if q_x <= 0 else min(1.0, float(p_i[token]) / q_x)
-        u = float(torch.rand((), generator=generator, device=generator.device))
-        uniforms.append(u)
-        ratios.append(ratio)
-        if u >= ratio:  # reject: resample from the residual
-            residual = (p_i - q_i).clamp_min(0)
-            total = float(residual.sum())
-            residual = residual / total if total > 0 else p_i  # p == q: the residual is empty, p is exact
-            return Acceptance(list(draft_tokens[:i]), uniforms, ratios, sample(residual, generator), None)
-    return Acceptance(list(draft_tokens), uniforms, ratios, None, sample(p_target[gamma], generator))

@@ -15,6 +15,7 @@ from typing import Any
 from lab.models import DEVICES, DTYPES, LoadedModel
 from lab.params import InputError, build_params
 from lab.quant import PRECISIONS
+from lab.registry import get_strategy
 
 MAX_PROMPT_CHARS = 12_000
 MAX_SEED = 2**63 - 1
@@ -25,7 +26,7 @@ MODEL_SPEC_PATTERN = re.compile(r"^[\w./~:\\-]{1,300}$")
 class RunRequest:
     """A validated request: what to run, on what, with which settings."""
 
-    strategy: Any  # strategies.base.Strategy
+    strategy: Any  # lab.registry.Strategy
     params: Any  # an instance of strategy.Params
     prompt: str
     chat: bool
@@ -80,8 +81,6 @@ def validate_request(
     precision: str = "auto",
 ) -> RunRequest:
     """Check everything a user supplied; raise InputError with a clear message on the first problem."""
-    from strategies import get_strategy  # lab <- strategies <- lab: resolved at call time
-
     found = get_strategy(strategy)
     built = build_params(found.Params, dict(params or {}))
     if device not in DEVICES:

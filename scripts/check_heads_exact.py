@@ -1,8 +1,10 @@
-"""Greedy Medusa, MTPC and EAGLE against plain greedy, token for token, on the builtin prompts (embedded model, fp32).
+"""Every lossless method in greedy mode against plain greedy, token for token, on the builtin prompts (embedded model).
 
-Usage: .venv/bin/python scripts/check_heads_exact.py [--max-new-tokens 128] [--start 0] [--limit 24]
-    [--strategies medusa,mtpc,eagle]
-Prints one line per prompt (tokens, tau of each strategy) and a summary; exits 1 on any mismatch.
+Usage: .venv/bin/python scripts/check_heads_exact.py [--dtype float32|bfloat16] [--max-new-tokens 128]
+    [--start 0] [--limit 24] [--methods sd-lookup,sd-self,sd-model,ssd,medusa,mtpc,eagle]
+Methods: sd-lookup / sd-self / sd-model (vanilla SD with prompt lookup, the first 8 layers, the target as its own
+drafter), ssd (self-draft, gamma 3), and medusa, mtpc, eagle with the shipped heads. Prints one line per prompt
+(tokens, tau of each method) and a summary; exits 1 on any mismatch.
 """
 
 from __future__ import annotations
@@ -16,44 +18,58 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lab.models import load_model  # noqa: E402
+from lab.params import build_params  # noqa: E402
 from lab.prompts import BUILTIN_PROMPTS  # noqa: E402
+from lab.registry import collect, get_strategy  # noqa: E402
 from lab.trace import TokenEmitted, summarize  # noqa: E402
-from strategies import get_strategy  # noqa: E402
-from strategies.base import collect  # noqa: E402
-from strategies.greedy import GreedyParams  # noqa: E402
-from strategies.greedy import run as greedy_run  # noqa: E402
+
+METHODS = {
+    "sd-lookup": ("speculative", {"drafter": "prompt-lookup"}),
+    "sd-self": ("speculative", {"drafter": "self-draft", "draft_layers": 8, "gamma": 3}),
+    "sd-model": ("speculative", {"drafter": "model", "gamma": 4}),
+    "ssd": ("ssd", {"drafter": "self-draft", "draft_layers": 8, "gamma": 3}),
+    "medusa": ("medusa", {}),
+    "mtpc": ("mtpc", {}),
+    "eagle": ("eagle", {}),
+}
 
 
 def tokens_of(events: list) -> list[int]:
     return [e.token_id for e in events if isinstance(e, TokenEmitted)]
 
 
+def run(loaded, name: str, ids: list[int], values: dict) -> list:
+    strategy = get_strategy(name)
+    return collect(strategy.run(loaded, ids, build_params(strategy.Params, values), torch.Generator()))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=len(BUILTIN_PROMPTS))
     parser.add_argument("--start", type=int, default=0, help="skip the first N prompts")
-    parser.add_argument("--strategies", default="medusa,mtpc,eagle", help="comma-separated, shipped heads")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from: " + ", ".join(METHODS))
     args = parser.parse_args()
-    loaded = load_model("smollm2-135m", device="cpu", dtype="float32")
-    strategies = {name: get_strategy(name) for name in args.strategies.split(",")}
-    equal, taus = dict.fromkeys(strategies, 0), {name: [] for name in strategies}
+    loaded = load_model("smollm2-135m", device="cpu", dtype=args.dtype)
+    methods = {name: METHODS[name] for name in args.methods.split(",")}
+    equal, taus = dict.fromkeys(methods, 0), {name: [] for name in methods}
     prompts = BUILTIN_PROMPTS[args.start : args.limit]
     for prompt in prompts:
         ids = loaded.encode(prompt.text)
-        reference = tokens_of(collect(greedy_run(loaded, ids, GreedyParams(args.max_new_tokens), torch.Generator())))
+        reference = tokens_of(run(loaded, "greedy", ids, {"max_new_tokens": args.max_new_tokens}))
         line = [f"{prompt.category:10s} {len(reference):4d} tokens"]
-        for name, strategy in strategies.items():
-            params = strategy.Params(max_new_tokens=args.max_new_tokens)
-            events = collect(strategy.run(loaded, ids, params, torch.Generator()))
+        for label, (name, values) in methods.items():
+            events = run(loaded, name, ids, {"max_new_tokens": args.max_new_tokens, **values})
             same = tokens_of(events) == reference
-            equal[name] += same
-            taus[name].append(summarize(events).mean_accepted_length)
-            line.append(f"{name} tau {taus[name][-1]:.3f}{'' if same else ' MISMATCH'}")
+            equal[label] += same
+            taus[label].append(summarize(events).mean_accepted_length or 0.0)
+            line.append(f"{label} tau {taus[label][-1]:.2f}{'' if same else ' MISMATCH'}")
         print("  ".join(line), flush=True)
-    for name in strategies:
-        mean = sum(taus[name]) / len(taus[name])
-        print(f"{name}: equal to greedy on {equal[name]}/{len(prompts)} prompts; mean tau {mean:.3f}")
+    print(f"dtype {args.dtype}, {len(prompts)} prompts, {args.max_new_tokens} tokens")
+    for label in methods:
+        mean = sum(taus[label]) / len(taus[label])
+        print(f"{label}: equal to greedy on {equal[label]}/{len(prompts)} prompts; mean tau {mean:.3f}")
     return 0 if all(n == len(prompts) for n in equal.values()) else 1
 
 

@@ -45,14 +45,14 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from lab.autoregressive import top_alternatives
 from lab.models import LoadedModel
 from lab.params import DecodeParams, InputError, param
+from lab.registry import Strategy
 from lab.runtime import DecodeState
 from lab.sampling import SamplingConfig, choose_token, process_logits
 from lab.text import IncrementalDetokenizer
 from lab.trace import Event, GuidanceStep, RunFinished, TokenEmitted
-from strategies.base import Strategy
-from strategies.sample import top_alternatives
 
 UNCONDITIONAL_CHOICES = ("last-token", "user-message", "empty", "negative-prompt")
 EVENT_TOP_K = 8  # the event keeps the union of the top-8 of cond, uncond and guided

@@ -49,10 +49,10 @@ import torch.nn.functional as F
 from lab import runtime
 from lab.models import LoadedModel
 from lab.params import DecodeParams, InputError, param
+from lab.registry import Strategy
 from lab.sampling import SamplingConfig, apply_repetition_penalty, choose_token, process_logits
 from lab.text import IncrementalDetokenizer
 from lab.trace import Event, LayerContrast, RunFinished, TokenEmitted
-from strategies.base import Strategy
 
 TOP_K = 8
 TOP_LABELS = ["final", "premature", "contrast", "after penalty"]

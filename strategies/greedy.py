@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
+from lab.autoregressive import decode_loop
 from lab.models import LoadedModel
 from lab.params import DecodeParams, param
+from lab.registry import Strategy
 from lab.sampling import SamplingConfig
 from lab.trace import Event
-from strategies.base import Strategy
-from strategies.sample import decode_loop
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,12 @@ import torch
 
 from lab.models import LoadedModel
 from lab.params import DecodeParams, InputError, param
+from lab.registry import Strategy
 from lab.rlm import tasks
 from lab.rlm.loop import RlmConfig, RlmRun, answer_matches
 from lab.rlm.sandbox import Sandbox, SandboxLimits, code_mode_refusal, probe_isolation
 from lab.text import IncrementalDetokenizer
 from lab.trace import Event, RlmContext, RlmResult, RunFinished, TokenEmitted
-from strategies.base import Strategy
 
 MAX_CONTEXT_CHARS = 4_000_000
 USER_TURN = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)

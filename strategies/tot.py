@@ -25,12 +25,12 @@ import torch
 
 from lab.models import LoadedModel
 from lab.params import DecodeParams, param
+from lab.registry import Strategy
 from lab.text import IncrementalDetokenizer
 from lab.tot.lm import CallModel
 from lab.tot.search import SEARCHES, VALUE_MODES, SearchConfig, TreeSearch
 from lab.tot.tasks import TASKS, make_task
 from lab.trace import Event, RunFinished, ThoughtResult, TokenEmitted
-from strategies.base import Strategy
 
 PROMPT_MARKER = "\u2063TOT-PROMPT\u2063"
 

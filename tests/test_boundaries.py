@@ -4,6 +4,7 @@ test session cannot hide a violation."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -39,3 +40,43 @@ def test_trace_does_not_import_torch() -> None:
 def test_engine_and_strategies_do_not_import_gradio() -> None:
     engine = ["lab.models", "lab.runtime", "lab.sampling", "lab.runner", "lab.validation", "strategies"]
     assert _loaded_modules(engine, ["gradio"]) == []
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a file imports (absolute names, statically, anywhere in the file: deferred imports too)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_nothing_under_lab_imports_strategies() -> None:
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(m for m in _imported_modules(path) if m.split(".")[0] == "strategies")
+        for path in (ROOT / "lab").rglob("*.py")
+    }
+    assert {path: mods for path, mods in offenders.items() if mods} == {}
+
+
+def test_no_strategy_imports_another() -> None:
+    names = {path.stem for path in (ROOT / "strategies").glob("*.py") if path.stem != "__init__"}
+    offenders = {}
+    for path in (ROOT / "strategies").glob("*.py"):
+        if path.stem == "__init__":  # the package discovers its modules by name, it imports none statically
+            continue
+        mods = sorted(m for m in _imported_modules(path) if m.split(".")[0] == "strategies")
+        if mods:
+            offenders[path.stem] = mods
+    assert offenders == {} and "speculative" in names and "ssd" in names
+
+
+def test_the_boundary_checks_can_fail(tmp_path: Path) -> None:
+    """The import scan sees deferred and `from` imports, so a violation cannot hide in a function body."""
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f():\n    from strategies.medusa import run\n    import strategies.ssd\n")
+    assert {"strategies.medusa", "strategies.ssd", "strategies.medusa.run"} <= _imported_modules(sample)

@@ -23,10 +23,13 @@ from lab.heads.eagle import EagleCache, build_head
 from lab.models import wrap_model
 from lab.params import build_params
 from lab.prompts import BUILTIN_PROMPTS
+from lab.speculative.proposers.eagle import EagleProposer, TreeShape, grow_tree, rerank
+from lab.speculative.tree import TreeSettings, tree_loop
 from lab.trace import EagleDraft, RunFinished, TokenEmitted, Trace, TreeRound, from_json, summarize, to_json
 from strategies import collect, get_strategy
-from strategies.eagle import EagleParams, decode_loop, grow_tree, rerank
+from strategies.eagle import EagleParams
 from tests.stats import assert_joint_matches
+from tests.test_medusa import assert_round_order
 from tests.tiny import ByteTokenizer, tiny_llama, tiny_loaded_model
 from visualizers import inspect_step, strategy_figures
 
@@ -47,8 +50,15 @@ def greedy_tokens(loaded, prompt_ids: list[int], n: int) -> list[int]:
     return tokens_of(collect(GREEDY.run(loaded, prompt_ids, params, gen())))
 
 
+def eagle_loop(loaded, prompt_ids: list[int], params: EagleParams, head, generator: torch.Generator):
+    """`strategies.eagle.run` with a given head: the EAGLE proposer in the tree loop."""
+    shape = TreeShape(params.total_tokens, params.depth, params.branch)
+    settings = TreeSettings(params.max_new_tokens, params.sampling, params.mode, method="eagle")
+    return tree_loop(loaded, prompt_ids, EagleProposer(head, shape), generator, settings)
+
+
 def run_eagle(loaded, head, prompt_ids: list[int], seed: int = 0, **values) -> list:
-    return collect(decode_loop(loaded, prompt_ids, build_params(EagleParams, values), head, gen(seed)))
+    return collect(eagle_loop(loaded, prompt_ids, build_params(EagleParams, values), head, gen(seed)))
 
 
 def random_head(loaded, seed: int = 1):
@@ -166,6 +176,7 @@ def test_greedy_eagle_equals_greedy_with_a_random_head(tiny, values, prompt) -> 
     events = run_eagle(tiny, random_head(tiny), ids, max_new_tokens=30, **values)
     assert tokens_of(events) == greedy_tokens(tiny, ids, 30)
     assert events[-1].target_forwards == sum(isinstance(e, TreeRound) for e in events) + 1
+    assert_round_order(events, (EagleDraft,))
 
 
 def test_budget_is_exact_and_events_are_consistent(tiny_trained) -> None:
@@ -240,7 +251,7 @@ def test_sampling_matches_the_target() -> None:
     params = build_params(EagleParams, values)
     generator, pairs = gen(11), []
     for _ in range(N_DRAWS):
-        tokens = tokens_of(collect(decode_loop(target, [1], params, head, generator)))
+        tokens = tokens_of(collect(eagle_loop(target, [1], params, head, generator)))
         pairs.append((tokens[1], tokens[2]))
     assert_joint_matches(pairs, exact_pair(target, [1], params.sampling))
     with pytest.raises(AssertionError):  # the check can fail: another temperature is rejected

@@ -8,12 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab.heads.medusa import MedusaHeads, prune_choices, residual_blocks, tree_from_choices, tune_choices
-from lab.trace import TreeRound, summarize
-from strategies.base import collect
+from lab.heads.medusa import MedusaHeads, residual_blocks, tune_choices
+from lab.speculative.acceptance import typical_path
+from lab.speculative.draft import Draft, DraftContext, Verified
+from lab.speculative.params import tree_settings
+from lab.speculative.proposers.medusa import MedusaProposer, prune_choices, tree_from_choices
+from lab.speculative.tree import tree_loop
+from lab.trace import TokenEmitted, TreeRound, summarize
+from strategies import collect
 from strategies.greedy import GreedyParams
 from strategies.greedy import run as greedy_run
-from strategies.medusa import MedusaDrafter, TreeParams, tree_decode_loop, typical_path
+from strategies.medusa import TreeParams
 from tests.tiny import tiny_loaded_model
 
 CHOICES = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]
@@ -35,9 +40,28 @@ def greedy_tokens(loaded, prompt: list[int], n: int) -> list[int]:
     return [e.token_id for e in events if hasattr(e, "token_id")]
 
 
-def tree_tokens(loaded, prompt, params, drafter, seed: int = 0) -> tuple[list[int], list]:
-    events = collect(tree_decode_loop(loaded, prompt, params, drafter, torch.Generator().manual_seed(seed)))
-    return [e.token_id for e in events if hasattr(e, "token_id") and not isinstance(e, TreeRound)], events
+def tree_tokens(loaded, prompt, params, proposer, seed: int = 0) -> tuple[list[int], list]:
+    settings = tree_settings(params, "medusa")
+    events = collect(tree_loop(loaded, prompt, proposer, torch.Generator().manual_seed(seed), settings))
+    return [e.token_id for e in events if isinstance(e, TokenEmitted)], events
+
+
+def assert_round_order(events: list, details: tuple[type, ...] = ()) -> None:
+    """The first token comes from prefill (step 0, source "target"); each later step streams the proposer's
+    detail events, then its TreeRound, then its TokenEmitted (at least one), and RunFinished ends the run."""
+    first, *middle, last = events
+    assert isinstance(first, TokenEmitted) and (first.step, first.source) == (0, "target")
+    assert type(last).__name__ == "RunFinished"
+    steps: dict[int, list] = {}
+    for event in middle:
+        steps.setdefault(event.step, []).append(event)
+    assert list(steps) == list(range(1, len(steps) + 1))  # steps in order, none interleaved
+    for group in steps.values():
+        kinds = ["detail" if isinstance(e, details) else type(e).__name__ for e in group]
+        n_detail = kinds.count("detail")
+        assert kinds[:n_detail] == ["detail"] * n_detail and kinds[n_detail] == "TreeRound", kinds
+        assert len(kinds) > n_detail + 1 and set(kinds[n_detail + 1 :]) == {"TokenEmitted"}, kinds
+        assert all(e.source != "target" for e in group if isinstance(e, TokenEmitted))
 
 
 def test_tree_from_choices_builds_parents_first_and_drops_children_of_eos() -> None:
@@ -50,7 +74,8 @@ def test_tree_from_choices_builds_parents_first_and_drops_children_of_eos() -> N
     assert tree.tokens == [11, 12, 10, 12, 12]
     assert tree.parents == [-1, -1, 0, 0, 2]
     assert tree.depths == [0, 0, 1, 1, 2] and tree.ranks == [0, 1, 0, 1, 0]
-    assert tree.q == pytest.approx([0.6, 0.3, 0.5, 0.3, 0.6])
+    assert tree.q is None  # deterministic (top-k) candidates: q one-hot for the acceptance rule
+    assert tree.q_token == pytest.approx([0.6, 0.3, 0.5, 0.3, 0.6])
 
 
 def test_prune_and_tune_choices_keep_valid_trees() -> None:
@@ -71,49 +96,56 @@ def test_residual_blocks_start_as_identity() -> None:
 
 
 def test_typical_acceptance_takes_the_longest_path_above_the_threshold() -> None:
-    # root 0 -> nodes 1 (token 1), 2 (token 2); node 1 -> node 3 (token 0)
-    parents, tokens = [-1, 0, 0, 1], [5, 1, 2, 0]
+    # root -> nodes 0 (token 1), 1 (token 2); node 0 -> node 2 (token 0); rows of probs: [root, node 0, ...]
+    draft = Draft([1, 2, 0], [-1, -1, 0])
     probs = torch.tensor([[0.05, 0.5, 0.45], [0.9, 0.05, 0.05], [1.0, 0.0, 0.0], [1 / 3, 1 / 3, 1 / 3]])
     params = TreeParams(mode="typical", epsilon=0.09, delta=0.3)
-    assert typical_path(parents, tokens, probs, params) == [0, 1, 3]
-    probs[1] = torch.tensor([0.05, 0.9, 0.05])  # node 3 (token 0) falls below the threshold
-    assert typical_path(parents, tokens, probs, params) == [0, 1]
+    assert typical_path(draft, probs, params.epsilon, params.delta) == [0, 2]
+    probs[1] = torch.tensor([0.05, 0.9, 0.05])  # node 2 (token 0) falls below the threshold
+    assert typical_path(draft, probs, params.epsilon, params.delta) == [0]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_greedy_medusa_equals_greedy_with_random_heads(seed: int) -> None:
     loaded = tiny_loaded_model(seed)
     prompt = list(b"hello tree")
-    drafter = MedusaDrafter(random_heads(loaded, seed=seed), 9, loaded.eos_token_ids)
-    tokens, events = tree_tokens(loaded, prompt, TreeParams(max_new_tokens=40, tree_nodes=9), drafter)
+    proposer = MedusaProposer(random_heads(loaded, seed=seed), 9)
+    tokens, events = tree_tokens(loaded, prompt, TreeParams(max_new_tokens=40, tree_nodes=9), proposer)
     assert tokens == greedy_tokens(loaded, prompt, 40)
     rounds = [e for e in events if isinstance(e, TreeRound)]
     assert rounds and sum(r.emitted for r in rounds) + 1 == len(tokens)
+    assert_round_order(events)
     assert summarize(events).mean_accepted_length == pytest.approx(
         sum(r.emitted for r in rounds) / len(rounds), abs=1e-4
     )
 
 
-class OracleDrafter:
+class OracleProposer:
     """Drafts the true greedy continuation as the rank-0 chain (always right) or tokens that never match."""
 
-    method = "oracle"
+    name = "oracle"
+    feature_layers = ()
+    forwards = 0
 
     def __init__(self, reference: list[int], prompt_len: int, right: bool, vocab: int) -> None:
-        self.reference, self.right, self.vocab = reference, right, vocab
+        self.reference, self.prompt_len, self.right, self.vocab = reference, prompt_len, right, vocab
         self.position = 0
 
-    def draft(self, hidden, root, root_logits, max_depth, mode, generator):
-        from lab.heads.medusa import DraftTree
-
+    def propose(self, context: DraftContext) -> Draft:
         start = self.position  # index of the root in the reference (every round accepts all or nothing)
-        assert self.reference[start] == root
-        chain = self.reference[start + 1 : start + 1 + min(3, max_depth)]
+        assert self.reference[start] == context.tokens[-1] and len(context.tokens) == self.prompt_len + start + 1
+        chain = self.reference[start + 1 : start + 1 + min(3, context.gamma)]
         self.position += len(chain) + 1 if self.right else 1
         if not self.right:
             chain = [(t + 1) % self.vocab for t in chain]
         n = len(chain)
-        return DraftTree(chain, list(range(-1, n - 1)), list(range(n)), list(range(n)), [0] * n, [1.0] * n), []
+        return Draft(chain, list(range(-1, n - 1)), q_token=[1.0] * n, ranks=[0] * n)
+
+    def accept(self, verified: Verified) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 @pytest.mark.parametrize("right", [True, False])
@@ -121,8 +153,8 @@ def test_tree_loop_with_always_right_and_always_wrong_drafts(right: bool) -> Non
     loaded = tiny_loaded_model(3)
     prompt = list(b"abc")
     reference = greedy_tokens(loaded, prompt, 30)
-    drafter = OracleDrafter(reference, len(prompt), right, loaded.vocab_size)
-    tokens, events = tree_tokens(loaded, prompt, TreeParams(max_new_tokens=30), drafter)
+    proposer = OracleProposer(reference, len(prompt), right, loaded.vocab_size)
+    tokens, events = tree_tokens(loaded, prompt, TreeParams(max_new_tokens=30), proposer)
     assert tokens == reference
     stats = summarize(events)
     if right:
@@ -135,12 +167,12 @@ def test_sampling_mode_matches_the_target_distribution() -> None:
     """Lossless sample mode: the first two emitted tokens are distributed as p (chi-square, tiny vocabulary)."""
     loaded = tiny_loaded_model(4, vocab=8)
     prompt = [1, 2, 3]
-    drafter = MedusaDrafter(random_heads(loaded, scale=0.5, seed=4), 9, ())
+    proposer = MedusaProposer(random_heads(loaded, scale=0.5, seed=4), 9)
     params = TreeParams(max_new_tokens=3, mode="sample", temperature=1.0, tree_nodes=9)
     draws = 1500
     counts = Counter()
     for seed in range(draws):
-        tokens, _ = tree_tokens(loaded, prompt, params, drafter, seed)
+        tokens, _ = tree_tokens(loaded, prompt, params, proposer, seed)
         counts[tuple(tokens[:2])] += 1
     with torch.no_grad():
         first = loaded.model(input_ids=torch.tensor([prompt])).logits[0, -1].float().softmax(-1)

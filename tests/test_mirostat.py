@@ -13,24 +13,23 @@ import torch
 
 from lab.cli import main
 from lab.evaluate import EvalResult, RowSpec, format_table, parse_baselines, parse_floats, rep4, summarize_row
-from lab.params import InputError, build_params
-from lab.trace import MirostatStep, RunFinished, TokenEmitted, Trace, from_json, to_json
-from strategies import collect, get_strategy
-from strategies.mirostat import (
+from lab.mirostat import (
     LN2,
     LoopSpec,
-    MirostatParams,
     MirostatSampler,
     TruncationSampler,
     baseline_steps,
     estimate_s_hat,
-    resolved_eta,
     update_mu,
     v2_keep_mask,
     v2_truncation_size,
     zipf_k,
     zipf_log_k,
 )
+from lab.params import InputError, build_params
+from lab.trace import MirostatStep, RunFinished, TokenEmitted, Trace, from_json, to_json
+from strategies import collect, get_strategy
+from strategies.mirostat import MirostatParams, resolved_eta
 from tests.tiny import tiny_loaded_model
 from visualizers import VIEWS
 from visualizers.mirostat import control_figure, running_mean_figure, running_means, truncation_figure

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from lab.heads.mtpc import Circuit, MTPCHeads, init_tensors
+from lab.speculative.params import tree_settings
+from lab.speculative.proposers.mtpc import MTPCProposer, sampled_chain
+from lab.speculative.tree import tree_loop
 from lab.trace import MixtureRound, TokenEmitted, TreeRound, summarize
-from strategies.base import collect
-from strategies.medusa import TreeParams, tree_decode_loop
-from strategies.mtpc import MTPCDrafter
-from tests.test_medusa import CHOICES, greedy_tokens
+from strategies import collect
+from strategies.medusa import TreeParams
+from tests.test_medusa import CHOICES, assert_round_order, greedy_tokens
 from tests.tiny import tiny_loaded_model
 
 
@@ -59,9 +61,28 @@ def test_one_component_is_independent() -> None:
     assert torch.allclose(circuit.conditional((0,)), logp[2, 0].exp())
 
 
-def _run(loaded, prompt, params, drafter, seed=0):
-    events = collect(tree_decode_loop(loaded, prompt, params, drafter, torch.Generator().manual_seed(seed)))
+def mtpc_proposer(heads: MTPCHeads, params: TreeParams, loaded) -> MTPCProposer:
+    """The proposer `strategies.mtpc.run` builds: sampled chains in sample mode, trees otherwise."""
+    temperature = params.temperature if params.mode == "sample" else None
+    return MTPCProposer(heads, params.tree_nodes, temperature, loaded.vocab_size)
+
+
+def _run(loaded, prompt, params, proposer, seed=0):
+    settings = tree_settings(params, "mtpc")
+    events = collect(tree_loop(loaded, prompt, proposer, torch.Generator().manual_seed(seed), settings))
     return [e.token_id for e in events if isinstance(e, TokenEmitted)], events
+
+
+def test_sampled_chain_scatters_q_to_the_full_vocabulary() -> None:
+    rows = torch.tensor([[0.2, 0.5, 0.3], [0.6, 0.1, 0.3]])  # [n, V_d]
+    vocab = torch.tensor([4, 1, 6])  # draft index -> model token id
+    draft = sampled_chain([2, 0], rows, vocab, vocab_size=8)
+    assert draft.tokens == [6, 4] and draft.parents is None and draft.is_chain
+    assert draft.q.shape == (2, 8) and torch.equal(draft.q[:, vocab], rows)
+    assert float(draft.q.sum()) == pytest.approx(2.0) and float(draft.q[:, [0, 2, 3, 5, 7]].abs().sum()) == 0
+    assert draft.q_token == pytest.approx([0.3, 0.6]) and draft.ranks == [1, 0]
+    empty = sampled_chain([], rows[:0], vocab, vocab_size=8)
+    assert empty.tokens == [] and empty.q.shape == (0, 8)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -69,11 +90,14 @@ def test_greedy_mtpc_equals_greedy_with_a_random_circuit(seed: int) -> None:
     loaded = tiny_loaded_model(seed)
     prompt = list(b"joint drafts")
     params = TreeParams(max_new_tokens=40, tree_nodes=9)
-    tokens, events = _run(loaded, prompt, params, MTPCDrafter(random_circuit(loaded, seed=seed), params, loaded))
+    tokens, events = _run(loaded, prompt, params, mtpc_proposer(random_circuit(loaded, seed=seed), params, loaded))
     assert tokens == greedy_tokens(loaded, prompt, 40)
+    assert_round_order(events, (MixtureRound,))
     rounds = [e for e in events if isinstance(e, TreeRound)]
     mixtures = [e for e in events if isinstance(e, MixtureRound)]
-    assert len(mixtures) == len(rounds) and [m.step for m in mixtures] == [r.step for r in rounds]
+    # one MixtureRound per drafted round; only a last round with no budget left (one token to go) drafts nothing
+    assert [m.step for m in mixtures] == [r.step for r in rounds if r.tokens]
+    assert len(rounds) - len(mixtures) <= 1 and all(r.tokens for r in rounds[:-1])
     assert sum(mixtures[0].posterior) == pytest.approx(1.0, abs=1e-4) and len(mixtures[0].prior) == 3
     assert summarize(events).mean_accepted_length >= 1.0
 
@@ -83,10 +107,10 @@ def test_sampling_mode_is_lossless() -> None:
     loaded = tiny_loaded_model(5, vocab=8)
     prompt = [3, 1, 4]
     params = TreeParams(max_new_tokens=3, mode="sample", temperature=1.0)
-    drafter = MTPCDrafter(random_circuit(loaded, scale=0.6, seed=5), params, loaded)
+    proposer = mtpc_proposer(random_circuit(loaded, scale=0.6, seed=5), params, loaded)
     draws, counts, accepted = 1500, Counter(), 0
     for seed in range(draws):
-        tokens, events = _run(loaded, prompt, params, drafter, seed)
+        tokens, events = _run(loaded, prompt, params, proposer, seed)
         counts[tuple(tokens[:2])] += 1
         accepted += sum(len(r.accepted) for r in events if isinstance(r, TreeRound))
     assert accepted > 100  # the rule was exercised on accepted draft tokens, not only on recoveries
@@ -148,7 +172,7 @@ def test_views_draw_what_the_trace_recorded() -> None:
 
     loaded = tiny_loaded_model(1)
     params = TreeParams(max_new_tokens=24, tree_nodes=9)
-    _, events = _run(loaded, list(b"views"), params, MTPCDrafter(random_circuit(loaded, seed=1), params, loaded))
+    _, events = _run(loaded, list(b"views"), params, mtpc_proposer(random_circuit(loaded, seed=1), params, loaded))
     rounds = [e for e in events if isinstance(e, TreeRound)]
     tree = rounds[0]
     fig = views.tree_figure(events, tree.step)

@@ -9,10 +9,13 @@ import torch
 from torch import nn
 
 from lab.profile import OUTSIDE, TARGET, TARGET_PIECES, format_profile, module_timer, profile_row, section
-from strategies.base import collect
+from lab.speculative.params import tree_settings
+from lab.speculative.proposers.medusa import MedusaProposer
+from lab.speculative.tree import tree_loop
+from strategies import collect
 from strategies.greedy import GreedyParams
 from strategies.greedy import run as greedy_run
-from strategies.medusa import MedusaDrafter, TreeParams, tree_decode_loop
+from strategies.medusa import TreeParams
 from tests.test_medusa import random_heads
 from tests.tiny import tiny_loaded_model
 
@@ -38,10 +41,10 @@ def test_greedy_spends_its_module_time_in_one_position_target_forwards() -> None
 
 def test_medusa_rounds_verify_trees_and_time_their_head_separately() -> None:
     loaded = tiny_loaded_model(1)
-    drafter = MedusaDrafter(random_heads(loaded, seed=1), 9, loaded.eos_token_ids)
-    params = TreeParams(max_new_tokens=20, tree_nodes=9)
+    proposer = MedusaProposer(random_heads(loaded, seed=1), 9)
+    settings = tree_settings(TreeParams(max_new_tokens=20, tree_nodes=9), "medusa")
     with module_timer(loaded) as times:
-        collect(tree_decode_loop(loaded, PROMPT, params, drafter, torch.Generator().manual_seed(0)))
+        collect(tree_loop(loaded, PROMPT, proposer, torch.Generator().manual_seed(0), settings))
     assert max(times.target_positions[1:]) > 1  # tree verification scores several positions at once
     assert set(times.seconds) == {TARGET, "draft", "accept", "KV compaction"}
     rounds = times.calls["accept"]

@@ -13,7 +13,6 @@ import torch
 
 from lab.sampling import (
     SamplingConfig,
-    accept_draft,
     apply_min_p,
     apply_repetition_penalty,
     apply_temperature,
@@ -24,6 +23,7 @@ from lab.sampling import (
     sample,
     target_distribution,
 )
+from lab.speculative.acceptance import accept_chain
 
 INF = float("-inf")
 PROBS_4 = torch.tensor([0.1, 0.2, 0.3, 0.4])
@@ -166,8 +166,8 @@ def test_sampling_functions_never_modify_acceptance_inputs() -> None:
     q = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4]])
     p0, q0 = p.clone(), q.clone()
     for seed in range(20):
-        accept_draft(p, q, [0, 3], gen(seed))
-        accept_draft(p, None, [0, 3], gen(seed))
+        accept_chain(p, q, [0, 3], gen(seed))
+        accept_chain(p, None, [0, 3], gen(seed))
     assert torch.equal(p, p0) and torch.equal(q, q0)
 
 
@@ -259,12 +259,12 @@ def test_sample_never_draws_zero_probability_tokens() -> None:
     assert {sample(probs, generator) for _ in range(200)} == {1, 3}
 
 
-# --- accept_draft: structure -------------------------------------------------------------------------------
+# --- accept_chain: structure -------------------------------------------------------------------------------
 
 
 def test_all_accepted_sets_bonus() -> None:
     p = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.0, 0.0, 1.0, 0.0]])
-    result = accept_draft(p, p[:2].clone(), [3, 0], gen(0))  # q = p: ratio 1, never rejected
+    result = accept_chain(p, p[:2].clone(), [3, 0], gen(0))  # q = p: ratio 1, never rejected
     assert result.accepted == [3, 0]
     assert result.recovered is None
     assert result.bonus == 2  # p_gamma is one-hot at 2
@@ -277,7 +277,7 @@ def test_all_accepted_sets_bonus() -> None:
 def test_rejection_sets_recovered() -> None:
     p = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]])
     for seed in range(10):
-        result = accept_draft(p, None, [3], gen(seed))  # p(x) = 0: always rejected
+        result = accept_chain(p, None, [3], gen(seed))  # p(x) = 0: always rejected
         assert result.accepted == []
         assert result.bonus is None
         assert result.recovered in (1, 2)
@@ -288,7 +288,7 @@ def test_rejection_sets_recovered() -> None:
 def test_rejection_in_the_middle() -> None:
     p = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]])
     q = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
-    result = accept_draft(p, q, [1, 1], gen(3))
+    result = accept_chain(p, q, [1, 1], gen(3))
     assert result.accepted == [1]
     assert result.recovered in (0, 2)
     assert result.bonus is None
@@ -298,7 +298,7 @@ def test_rejection_in_the_middle() -> None:
 
 
 def test_empty_draft_is_a_bonus_from_p0() -> None:
-    result = accept_draft(torch.tensor([[0.0, 0.0, 1.0, 0.0]]), None, [], gen(0))
+    result = accept_chain(torch.tensor([[0.0, 0.0, 1.0, 0.0]]), None, [], gen(0))
     assert result.accepted == [] and result.recovered is None and result.bonus == 2
     assert result.tokens == [2]
 
@@ -306,7 +306,7 @@ def test_empty_draft_is_a_bonus_from_p0() -> None:
 def test_ratio_is_p_over_q() -> None:
     p = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
     q = torch.tensor([[0.1, 0.4, 0.3, 0.2]])
-    result = accept_draft(p, q, [1], gen(0))
+    result = accept_chain(p, q, [1], gen(0))
     assert result.ratios == [pytest.approx(0.5)]
     if result.accepted:
         assert result.uniforms[0] < 0.5
@@ -317,7 +317,7 @@ def test_ratio_is_p_over_q() -> None:
 def test_wrong_number_of_target_rows_raises() -> None:
     p = torch.full((2, 4), 0.25)
     with pytest.raises(ValueError, match="gamma"):
-        accept_draft(p, None, [0, 1, 2], gen(0))
+        accept_chain(p, None, [0, 1, 2], gen(0))
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -325,14 +325,14 @@ def test_greedy_target_accepts_iff_draft_is_argmax(seed: int) -> None:
     logits = torch.tensor([[0.3, 2.0, -1.0, 0.5], [1.0, 0.0, 3.0, 0.0]])
     p = target_distribution(logits, SamplingConfig(temperature=0.0))  # [2, V] one-hot
     assert p.tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]
-    right = accept_draft(p, None, [1], gen(seed))
+    right = accept_chain(p, None, [1], gen(seed))
     assert right.accepted == [1] and right.bonus == 2 and right.tokens == [1, 2]
     for wrong_token in (0, 2, 3):
-        wrong = accept_draft(p, None, [wrong_token], gen(seed))
+        wrong = accept_chain(p, None, [wrong_token], gen(seed))
         assert wrong.accepted == [] and wrong.recovered == 1 and wrong.tokens == [1]
 
 
-# --- accept_draft: distributions (chi-square) --------------------------------------------------------------
+# --- accept_chain: distributions (chi-square) --------------------------------------------------------------
 
 
 def chi_square(counts: list[int], probs: list[float]) -> tuple[float, int]:
@@ -357,7 +357,7 @@ def run_rounds(p: torch.Tensor, q: torch.Tensor | None, n: int, seed: int, fixed
     results = []
     for _ in range(n):
         draft = fixed_draft if fixed_draft is not None else [sample(row, generator) for row in q]
-        results.append(accept_draft(p, q, draft, generator))
+        results.append(accept_chain(p, q, draft, generator))
     return results
 
 

@@ -14,21 +14,17 @@ import torch
 from lab.models import wrap_model
 from lab.params import InputError, build_params
 from lab.prompts import BUILTIN_PROMPTS
-from lab.proposers import (
-    Draft,
-    DraftContext,
-    ModelProposer,
-    PromptLookupProposer,
-    Proposer,
-    check_same_tokenizer,
-    lookup,
-    make_proposer,
-    self_draft_view,
-)
 from lab.runtime import early_exit_logits, forward, new_state
+from lab.speculative.acceptance import accept, accept_chain
+from lab.speculative.chain import chain_loop, next_gamma
+from lab.speculative.draft import Draft, DraftContext, Proposer, Verified
+from lab.speculative.params import chain_settings
+from lab.speculative.proposers import ModelProposer, PromptLookupProposer, check_same_tokenizer, make_chain_proposer
+from lab.speculative.proposers.prompt_lookup import lookup
+from lab.speculative.proposers.self_draft import self_draft_view
 from lab.trace import DraftRound, RunFinished, TokenEmitted, Trace, from_json, summarize, to_json
 from strategies import collect, get_strategy
-from strategies.speculative import SpeculativeParams, cut_at_eos, decode_loop, next_gamma
+from strategies.speculative import SpeculativeParams
 from tests.stats import assert_joint_matches
 from tests.tiny import ByteTokenizer, tiny_llama, tiny_loaded_model
 
@@ -64,13 +60,14 @@ def run_sd(loaded, prompt_ids: list[int], proposer: Proposer | None = None, seed
     built = params(**values)
     if proposer is None:
         return collect(SD.run(loaded, prompt_ids, built, gen(seed)))
-    return collect(decode_loop(loaded, prompt_ids, built, proposer, gen(seed)))
+    return collect(chain_loop(loaded, prompt_ids, proposer, gen(seed), chain_settings(built)))
 
 
 class WrongProposer:
     """Always wrong: each drafted token is (target argmax + 1) mod V along the drafted chain (full forwards)."""
 
     name = "always-wrong"
+    feature_layers = ()
 
     def __init__(self, target) -> None:
         self.target = target
@@ -85,8 +82,8 @@ class WrongProposer:
             ids.append(drafted[-1])
         return Draft(drafted)
 
-    def accept(self, n_accepted: int) -> None:
-        assert n_accepted == 0
+    def accept(self, verified: Verified) -> None:
+        assert verified.n_accepted == 0
 
     def close(self) -> None:
         pass
@@ -97,6 +94,7 @@ class FixedProposer:
 
     name = "fixed"
     forwards = 0
+    feature_layers = ()
 
     def __init__(self, token: int, q_row: torch.Tensor | None = None) -> None:
         self.token, self.q_row = token, q_row
@@ -107,9 +105,9 @@ class FixedProposer:
         if self.q_row is None:
             return Draft([self.token] * context.gamma)
         tokens = [int(torch.multinomial(self.q_row, 1, generator=context.generator)) for _ in range(context.gamma)]
-        return Draft(tokens, self.q_row.expand(context.gamma, -1).clone())
+        return Draft(tokens, q=self.q_row.expand(context.gamma, -1).clone())
 
-    def accept(self, n_accepted: int) -> None:
+    def accept(self, verified: Verified) -> None:
         pass
 
     def close(self) -> None:
@@ -133,7 +131,7 @@ def test_lookup_takes_the_most_recent_match_of_the_longest_ngram() -> None:
     proposer = PromptLookupProposer(max_ngram=3)
     assert isinstance(proposer, Proposer) and proposer.forwards == 0
     draft = proposer.propose(DraftContext(tokens, 2, params().sampling, gen()))
-    assert draft.tokens == [4, 5] and draft.q_draft is None and draft.tree is None
+    assert draft.tokens == [4, 5] and draft.q is None and draft.parents is None
 
 
 def test_model_proposer_syncs_its_cache_on_any_context(tiny) -> None:
@@ -143,17 +141,17 @@ def test_model_proposer_syncs_its_cache_on_any_context(tiny) -> None:
     cached = ModelProposer(drafter, tiny.vocab_size)
     a, b = [5, 6, 7, 8, 9], [5, 6, 7, 10]
     first = cached.propose(DraftContext(a, 4, config, gen()))
-    cached.accept(2)
+    cached.accept(Verified(2, first.tokens[:2], len(a) - 1))
     assert cached.state.tokens == a + first.tokens[:2]
     again = cached.propose(DraftContext(b, 4, config, gen()))
     fresh = ModelProposer(drafter, tiny.vocab_size).propose(DraftContext(b, 4, config, gen()))
-    assert again.tokens == fresh.tokens and again.q_draft is None and fresh.q_draft is None  # greedy: deterministic
+    assert again.tokens == fresh.tokens and again.q is None and fresh.q is None  # greedy: deterministic
     sampling = params(temperature=1.0).sampling
     again = cached.propose(DraftContext(a, 3, sampling, gen(5)))
     fresh = ModelProposer(drafter, tiny.vocab_size).propose(DraftContext(a, 3, sampling, gen(5)))
-    assert again.tokens == fresh.tokens and torch.allclose(again.q_draft, fresh.q_draft, atol=1e-6)
-    assert again.q_draft.shape == (3, tiny.vocab_size)
-    torch.testing.assert_close(again.q_draft.sum(-1), torch.ones(3))
+    assert again.tokens == fresh.tokens and torch.allclose(again.q, fresh.q, atol=1e-6)
+    assert again.q.shape == (3, tiny.vocab_size)
+    torch.testing.assert_close(again.q.sum(-1), torch.ones(3))
 
 
 def test_self_draft_view_shares_weights_and_equals_the_early_exit(tiny) -> None:
@@ -179,29 +177,27 @@ def test_a_different_tokenizer_is_refused(tiny) -> None:
         check_same_tokenizer(tiny, other)
     check_same_tokenizer(tiny, tiny_loaded_model(seed=1))  # same tokenizer: fine
     with pytest.raises(InputError, match="Unknown drafter"):
-        make_proposer(tiny, "medusa")
+        make_chain_proposer(tiny, "medusa")
 
 
-def test_verifier_greedy_support_equals_full_vocabulary_and_rolls_back(tiny) -> None:
-    """Greedy acceptance on the support columns decides exactly like accept_draft on the whole vocabulary."""
-    from lab.proposers import verify_draft
+def test_greedy_walk_equals_alg1_with_one_hot_p_and_rolls_back(tiny) -> None:
+    """The greedy walk decides exactly like Alg. 1 with one-hot p and q; commit keeps root + accepted tokens."""
     from lab.runtime import prefill
-    from lab.sampling import accept_draft, target_distribution
+    from lab.sampling import target_distribution
+    from lab.speculative.verify import commit, verify
 
     config, ids = params().sampling, [5, 6, 7, 8]
-    g = greedy_tokens(tiny, ids, 4)
+    g = greedy_tokens(tiny, [*ids, 0][:-1], 4)
     wrong = (g[1] + 1) % tiny.vocab_size
     for tokens in ([g[0], g[1], g[2]], [g[0], wrong, g[2]], [wrong], []):
         state = prefill(tiny, ids[:-1])[0]
-        v = verify_draft(state, ids[-1], Draft(tokens), config, ids, gen(1))
-        full = accept_draft(target_distribution(v.processed, config), None, tokens, gen(1))
-        assert (v.acceptance.accepted, v.acceptance.recovered, v.acceptance.bonus) == (
-            full.accepted,
-            full.recovered,
-            full.bonus,
-        )
-        assert v.acceptance.tokens == g[: len(v.acceptance.tokens)]
-        assert state.length == len(ids) + len(v.acceptance.accepted) and state.tokens == ids + v.acceptance.accepted
+        v = verify(state, ids[-1], Draft(tokens), config, ids)
+        walk = accept(Draft(tokens), v.processed, "greedy", config, gen(1))
+        full = accept_chain(target_distribution(v.processed, config), None, tokens, gen(1))
+        assert (walk.accepted, walk.recovered, walk.bonus) == (full.accepted, full.recovered, full.bonus)
+        assert walk.tokens == g[: len(walk.tokens)]
+        commit(state, v, Draft(tokens), walk)
+        assert state.length == len(ids) + len(walk.accepted) and state.tokens == ids + walk.accepted
 
 
 # --- greedy losslessness ----------------------------------------------------------------------------------
@@ -230,12 +226,13 @@ def test_other_model_drafter_and_always_right_drafter(tiny, prompt_ids) -> None:
     assert tokens_of(other) == expected
     right = run_sd(tiny, prompt_ids, ModelProposer(tiny, tiny.vocab_size), max_new_tokens=30, gamma=4)
     assert tokens_of(right) == expected
+    right = run_sd(tiny, prompt_ids, ModelProposer(tiny, tiny.vocab_size), max_new_tokens=31, gamma=4)
     stats = summarize(right)
     assert stats.acceptance_rate == 1.0 and stats.mean_accepted_length == 5.0
     assert all(r.accepted == len(r.draft_tokens) and r.bonus is not None for r in rounds_of(right))
-    assert {e.source for e in right if isinstance(e, TokenEmitted)} == {"accepted", "bonus"}
+    assert {e.source for e in right if isinstance(e, TokenEmitted)} == {"target", "accepted", "bonus"}
     finished = right[-1]
-    assert finished.target_forwards == 1 + len(rounds_of(right)) == 1 + 6  # prefill + ceil(30 / 5) rounds
+    assert finished.target_forwards == 1 + len(rounds_of(right)) == 1 + 6  # prefill (1 token) + 30 / 5 rounds
     assert finished.draft_forwards > 0
 
 
@@ -244,12 +241,12 @@ def test_always_wrong_drafter_reproduces_greedy(tiny, prompt_ids) -> None:
     events = run_sd(tiny, prompt_ids, WrongProposer(tiny), max_new_tokens=16, gamma=3)
     assert tokens_of(events) == expected
     rounds, last = rounds_of(events)[:-1], rounds_of(events)[-1]
-    assert len(rounds) == 15 and all(r.accepted == 0 and r.recovered is not None for r in rounds)
+    assert len(rounds) == 14 and all(r.accepted == 0 and r.recovered is not None for r in rounds)
     assert all(r.p[0] == 0.0 and r.q[0] == 1.0 for r in rounds)  # one-hot p (greedy) vs deterministic q
     assert all(r.residual_top_ids[0] == r.recovered and r.residual_top_probs[0] == 1.0 for r in rounds)
     assert last.draft_tokens == [] and last.bonus is not None  # budget 1 left: no draft, the target's token
     sources = [e.source for e in events if isinstance(e, TokenEmitted)]
-    assert sources == ["recovered"] * 15 + ["bonus"]
+    assert sources == ["target"] + ["recovered"] * 14 + ["bonus"]  # the first token comes from the prefill
     assert summarize(events).acceptance_rate == 0.0 and summarize(events).mean_accepted_length == 1.0
 
 
@@ -259,13 +256,13 @@ def test_always_wrong_drafter_reproduces_greedy(tiny, prompt_ids) -> None:
 def test_events_are_consistent_and_serialize(tiny, prompt_ids) -> None:
     events = run_sd(tiny, prompt_ids, ModelProposer(tiny_loaded_model(seed=1), tiny.vocab_size), max_new_tokens=25)
     rounds, tokens = rounds_of(events), [e for e in events if isinstance(e, TokenEmitted)]
-    assert len(tokens) == 25 and sum(r.accepted + 1 for r in rounds) == 25
+    assert len(tokens) == 25 and 1 + sum(r.accepted + 1 for r in rounds) == 25 and tokens[0].source == "target"
     for r in rounds:
         mine = [e for e in tokens if e.step == r.step]
         assert [e.token_id for e in mine[: r.accepted]] == r.draft_tokens[: r.accepted]
         assert mine[-1].token_id == (r.recovered if r.recovered is not None else r.bonus)
         assert len(r.q) == len(r.p) == len(r.draft_tokens) == len(r.alt_texts) and r.gamma >= len(r.draft_tokens)
-        assert len(r.uniforms) == r.accepted + (r.recovered is not None)
+        assert r.uniforms == []  # greedy: the walk draws nothing
     finished = events[-1]
     assert isinstance(finished, RunFinished) and finished.target_forwards == 1 + len(rounds)
     assert finished.draft_forwards > len(rounds)  # the drafter ran its own forwards
@@ -274,14 +271,14 @@ def test_events_are_consistent_and_serialize(tiny, prompt_ids) -> None:
 
 
 def test_budget_and_eos_helpers() -> None:
-    draft = Draft([4, 0, 5], torch.eye(6)[[4, 0, 5]])
-    cut = cut_at_eos(draft, (0,))
-    assert cut.tokens == [4, 0] and cut.q_draft.shape == (2, 6)
-    base = params(adaptive=True, gamma=3, gamma_max=4)
+    draft = Draft([4, 0, 5], q=torch.eye(6)[[4, 0, 5]])
+    cut = draft.cut_at_eos((0,))
+    assert cut.tokens == [4, 0] and cut.q.shape == (2, 6)
+    base = chain_settings(params(adaptive=True, gamma=3, gamma_max=4))
     assert next_gamma(3, 3, 3, base) == 4 and next_gamma(4, 4, 4, base) == 4
     assert next_gamma(3, 3, 1, base) == 2 and next_gamma(1, 1, 0, base) == 1
     assert next_gamma(3, 0, 0, base) == 3  # an empty draft changes nothing
-    assert next_gamma(3, 3, 3, params(adaptive=False)) == 3
+    assert next_gamma(3, 3, 3, chain_settings(params(adaptive=False))) == 3
 
 
 def test_budget_is_exact(tiny, prompt_ids) -> None:
@@ -303,8 +300,9 @@ def small_model(seed: int):
     return wrap_model(model, ByteTokenizer(), spec=f"tiny-v8-{seed}")
 
 
-def exact_joint(loaded, prompt: list[int], config) -> torch.Tensor:
-    """p(x1, x2) [V, V] from full forwards through the same processors."""
+def exact_joint(loaded, prompt: list[int], config, skip: int = 1, length: int = 2) -> torch.Tensor:
+    """p(x_{skip+1}, .., x_{skip+length}) [V] * length from full forwards through the same processors, the first
+    `skip` tokens marginalised (the chain loop draws x1 from the prefill, so its rounds start at x2)."""
     from lab.sampling import process_logits, target_distribution
 
     def p_next(ids: list[int]) -> torch.Tensor:
@@ -312,16 +310,25 @@ def exact_joint(loaded, prompt: list[int], config) -> torch.Tensor:
             logits = loaded.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].float()
         return target_distribution(process_logits(logits, config, ids), config)
 
-    first = p_next(prompt)
-    return torch.stack([first[a] * p_next(prompt + [a]) for a in range(len(first))])
+    def joint(ids: list[int], depth: int) -> torch.Tensor:
+        p = p_next(ids)  # [V]
+        if depth == 1:
+            return p if len(ids) - len(prompt) >= skip else p.new_tensor(0.0)
+        rows = [p[a] * joint(ids + [a], depth - 1) if p[a] > 0 else None for a in range(len(p))]
+        shape = next(r.shape for r in rows if r is not None)
+        stacked = torch.stack([r if r is not None else p.new_zeros(shape) for r in rows])
+        return stacked.sum(0) if len(ids) - len(prompt) < skip else stacked
+
+    return joint(prompt, skip + length)
 
 
 def draw_pairs(target, make_proposer_fn, n: int, **values) -> list[tuple[int, int]]:
-    built = params(max_new_tokens=2, gamma=1, **values)
+    """(x2, x3) of runs of 3 tokens: x1 comes from the prefill, x2 and x3 from one round with gamma = 1."""
+    built = params(max_new_tokens=3, gamma=1, **values)
     generator, pairs = gen(11), []
     for _ in range(n):
-        events = collect(decode_loop(target, [1], built, make_proposer_fn(), generator))
-        pairs.append(tuple(tokens_of(events)))
+        events = collect(chain_loop(target, [1], make_proposer_fn(), generator, chain_settings(built)))
+        pairs.append(tuple(tokens_of(events)[1:3]))
     return pairs
 
 
@@ -341,7 +348,7 @@ def test_sampling_matches_the_target_with_processors(case: str) -> None:
     values = {"temperature": 0.8, "top_k": 4}
     config = params(**values).sampling
     joint = exact_joint(target, [1], config)
-    first = joint.sum(1)  # p(x1) [8]
+    first = joint.sum(1)  # p(x2) [8] (x1 marginalised)
     if case == "one-hot q":
         proposer = FixedProposer(int(first.argmax()))
     elif case == "q = p":

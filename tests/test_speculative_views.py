@@ -12,7 +12,7 @@ import pytest
 
 from lab.bench import parse_param_overrides
 from lab.params import InputError
-from lab.proposers import ModelProposer
+from lab.speculative.proposers import ModelProposer
 from lab.trace import DraftRound, summarize
 from tests.test_speculative import rounds_of, run_sd
 from tests.tiny import tiny_loaded_model

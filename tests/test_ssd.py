@@ -10,12 +10,22 @@ vocabulary of 8). The embedded part checks greedy equality on a few builtin prom
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lab.params import build_params
 from lab.prompts import BUILTIN_PROMPTS
-from lab.proposers import Draft, DraftContext, ModelProposer, PromptLookupProposer
-from lab.ssd import PROBE, Job, Speculator, acceptance_estimate, plan_outcomes
+from lab.speculative.chain import next_gamma
+from lab.speculative.draft import Draft, DraftContext
+from lab.speculative.params import chain_settings
+from lab.speculative.proposers import ModelProposer, PromptLookupProposer
+from lab.speculative.proposers.ssd import (
+    PROBE,
+    Job,
+    Speculator,
+    acceptance_estimate,
+    next_gammas,
+    plan_outcomes,
+    split_threads,
+)
 from lab.trace import (
     DraftRound,
     PipelineSpan,
@@ -27,7 +37,7 @@ from lab.trace import (
     to_json,
 )
 from strategies import collect, get_strategy
-from strategies.ssd import SSDParams, decode_loop, next_gammas, target_threads
+from strategies.ssd import SSDParams, ssd_loop
 from tests.stats import assert_joint_matches
 from tests.test_speculative import WrongProposer, gen, greedy_tokens, small_model, tokens_of
 from tests.tiny import tiny_loaded_model
@@ -48,7 +58,7 @@ def run_ssd(loaded, prompt_ids: list[int], proposer=None, seed: int = 0, **value
     built = params(**values)
     if proposer is None:
         return collect(SSD.run(loaded, prompt_ids, built, gen(seed)))
-    return collect(decode_loop(loaded, prompt_ids, built, proposer, gen(seed)))
+    return collect(ssd_loop(loaded, prompt_ids, built, proposer, gen(seed)))
 
 
 @pytest.fixture
@@ -87,15 +97,17 @@ def test_plan_ranks_outcomes_and_skips_the_drafted_token_and_eos() -> None:
 
 
 def test_next_gammas_follow_the_adaptive_rule_and_the_budget() -> None:
-    fixed = params(max_new_tokens=10, gamma=3)
-    assert next_gammas(3, 3, 0, fixed) == [3, 3, 3, 3]
-    assert next_gammas(3, 3, 6, fixed) == [2, 1, 0, 0]  # 10 - (6 + k + 1) tokens left, minus the next x_0's slot
-    adaptive = params(max_new_tokens=100, gamma=3, adaptive=True, gamma_max=4)
-    assert next_gammas(3, 3, 0, adaptive) == [2, 2, 2, 4]
-    assert (
-        target_threads(params(drafter="self-draft"), 2) == 1 and target_threads(params(drafter="prompt-lookup"), 2) == 2
-    )
-    assert target_threads(params(target_threads=3), 2) == 3
+    def rule(built):
+        settings = chain_settings(built)
+        return lambda gamma, drafted, accepted: next_gamma(gamma, drafted, accepted, settings)
+
+    fixed = rule(params(max_new_tokens=10, gamma=3))
+    assert next_gammas(3, 3, 0, 10, fixed) == [3, 3, 3, 3]
+    assert next_gammas(3, 3, 6, 10, fixed) == [2, 1, 0, 0]  # 10 - (6 + k + 1) tokens left, minus the next x_0's slot
+    adaptive = rule(params(max_new_tokens=100, gamma=3, adaptive=True, gamma_max=4))
+    assert next_gammas(3, 3, 0, 100, adaptive) == [2, 2, 2, 4]
+    assert split_threads(2, 1, 0, model_drafter=True) == 1 and split_threads(2, 1, 0, model_drafter=False) == 2
+    assert split_threads(2, 1, 3, model_drafter=True) == 3
 
 
 def test_speculator_caches_what_the_drafter_would_draft(tiny) -> None:
@@ -137,7 +149,7 @@ def test_a_stopped_branch_is_cut_short_but_valid(tiny) -> None:
 
 
 def test_prompt_lookup_reports_continuations() -> None:
-    from lab.proposers.prompt_lookup import continuations
+    from lab.speculative.proposers.prompt_lookup import continuations
 
     tokens = [1, 2, 3, 9, 1, 2, 4, 1, 2, 4, 1, 2]
     assert continuations(tokens, 2, 3) == ([4, 3], [pytest.approx(2 / 3), pytest.approx(1 / 3)])
@@ -176,8 +188,8 @@ def test_other_drafter_and_always_right_hit_every_round(tiny, prompt_ids, full_s
     expected = greedy_tokens(tiny, prompt_ids, 30)
     other = run_ssd(tiny, prompt_ids, ModelProposer(tiny_loaded_model(seed=1), tiny.vocab_size), max_new_tokens=30)
     assert tokens_of(other) == expected
-    right = run_ssd(tiny, prompt_ids, ModelProposer(tiny, tiny.vocab_size), max_new_tokens=30, gamma=4)
-    assert tokens_of(right) == expected
+    right = run_ssd(tiny, prompt_ids, ModelProposer(tiny, tiny.vocab_size), max_new_tokens=31, gamma=4)
+    assert tokens_of(right) == greedy_tokens(tiny, prompt_ids, 31)  # the prefill's token, then 6 rounds of 5
     rounds = [e for e in right if isinstance(e, SpeculationRound)]
     assert all(r.hit and r.hit_rank == 0 and r.accepted == 4 for r in rounds[:-1])  # the probe guessed the bonus
     assert all(r.cached_tokens == 4 for r in rounds[1:])
@@ -215,27 +227,23 @@ def test_events_serialize_and_views_render(tiny, prompt_ids, full_speculation) -
 # --- sampling losslessness --------------------------------------------------------------------------------
 
 
-def exact_second_third(loaded, config) -> torch.Tensor:
-    """p(x2, x3) [V, V] after prompt [1]: sum over x1 of p(x1) p(x2, x3 | x1)."""
+def test_sampling_matches_the_target_through_the_cache(full_speculation) -> None:
+    """(x3, x4) of 4-token runs: x1 from the prefill, x2 from a round drafted on the main thread, whose drafter
+    thread pre-drafts the round that emits x3 (and x4): the cached drafts are really used and stay lossless."""
     from tests.test_speculative import exact_joint
 
-    first = exact_joint(loaded, [1], config).sum(1)  # p(x1) [V]
-    return sum(first[a] * exact_joint(loaded, [1, a], config) for a in range(len(first)))
-
-
-def test_sampling_matches_the_target_through_the_cache(full_speculation) -> None:
     target, drafter = small_model(0), small_model(1)
-    built = params(max_new_tokens=3, gamma=1, fanout=3, temperature=1.0)
+    built = params(max_new_tokens=4, gamma=1, fanout=3, temperature=1.0)
     generator, pairs, hits = gen(11), [], 0
     for _ in range(N_DRAWS):
-        events = collect(decode_loop(target, [1], built, ModelProposer(drafter, 8), generator))
+        events = collect(ssd_loop(target, [1], built, ModelProposer(drafter, 8), generator))
         tokens = tokens_of(events)
-        pairs.append((tokens[1], tokens[2]))
+        pairs.append((tokens[2], tokens[3]))
         hits += sum(r.hit for r in events if isinstance(r, SpeculationRound))
     assert hits > N_DRAWS // 4  # the cached drafts were really used
-    assert_joint_matches(pairs, exact_second_third(target, built.sampling))
+    assert_joint_matches(pairs, exact_joint(target, [1], built.sampling, skip=2))
     with pytest.raises(AssertionError):  # the check can fail: the drafter's own distribution is rejected
-        assert_joint_matches(pairs, exact_second_third(drafter, built.sampling))
+        assert_joint_matches(pairs, exact_joint(drafter, [1], built.sampling, skip=2))
 
 
 # --- embedded model ---------------------------------------------------------------------------------------

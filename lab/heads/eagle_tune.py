@@ -10,7 +10,7 @@ same idea is made exact for greedy decoding:
    is the number of leading nodes of the big tree's accepted path that survive the cut. This is exact round by
    round; over a run the round boundaries of a smaller tree shift, so tau(N, D) is a close estimate;
 3. estimated tokens/s(N, D) = tau(N, D) / (t_extend + (D - 1) t_step + t_verify(N)), ranked.
-The printed table and the best setting are what strategies.eagle's defaults come from (README, EAGLE section).
+The printed table and the best setting are what the eagle strategy's defaults come from (README, EAGLE section).
 Not covered: sampling mode (acceptance is random there), per-prompt adaptation of the tree size.
 """
 
@@ -22,13 +22,16 @@ import time
 import torch
 
 from lab import runtime
+from lab.heads.common import load_heads
+from lab.heads.eagle import KIND, build_head
 from lab.models import load_model
-from lab.params import build_params
 from lab.prompts import load_prompts
+from lab.registry import collect
+from lab.sampling import SamplingConfig
+from lab.speculative.proposers.eagle import EagleProposer, TreeShape
+from lab.speculative.tree import TreeSettings, tree_loop
 from lab.trace import EagleDraft, TreeRound
 from lab.tree import build_tree_attention
-from strategies import collect
-from strategies.eagle import EagleDrafter, EagleParams, cached_head, decode_loop
 
 
 def verify_times(loaded, sizes: list[int], repeats: int = 5) -> dict[int, float]:
@@ -50,7 +53,7 @@ def verify_times(loaded, sizes: list[int], repeats: int = 5) -> dict[int, float]
 
 def head_times(loaded, head, branch: int, repeats: int = 5) -> tuple[float, float]:
     """(extend of 3 real pairs, one tree step of `branch` nodes incl. logits and top-k), seconds, min over repeats."""
-    drafter = EagleDrafter(head, build_params(EagleParams, {"branch": branch, "depth": 2}), ())
+    drafter = EagleProposer(head, TreeShape(branch=branch, depth=2))
     hidden = int(loaded.config.hidden_size)
     drafter.cache.extend(torch.randn(200, hidden, dtype=loaded.dtype), list(range(200)), 0)
     extend, step = float("inf"), float("inf")
@@ -58,7 +61,7 @@ def head_times(loaded, head, branch: int, repeats: int = 5) -> tuple[float, floa
         start = time.perf_counter()
         f_hat = drafter.cache.extend(torch.randn(3, hidden, dtype=loaded.dtype), [1, 2, 3], 200)
         middle = time.perf_counter()
-        drafter.draft(f_hat, 202, 2)
+        drafter.grow(f_hat, 202, 2, ())
         end = time.perf_counter()
         extend, step = min(extend, middle - start), min(step, end - middle)
         drafter.cache.rollback()
@@ -110,7 +113,8 @@ def main() -> None:
     args = parser.parse_args()
     sizes, depths = [int(x) for x in args.sizes.split(",")], [int(x) for x in args.depths.split(",")]
     loaded = load_model(args.model, dtype=args.dtype)
-    head = cached_head(loaded, args.heads_path)
+    tensors, _ = load_heads(KIND, loaded, args.heads_path or None)
+    head = build_head(loaded, tensors["vocab"], tensors)
     verify = verify_times(loaded, sizes)
     print("verify ms (1 + N tokens):", {n: round(1000 * t, 2) for n, t in verify.items()})
     prompts = [loaded.encode(p) for p in load_prompts("builtin")[: args.limit]]
@@ -118,11 +122,12 @@ def main() -> None:
     for branch in (int(x) for x in args.branches.split(",")):
         extend, step = head_times(loaded, head, branch)
         print(f"branch {branch}: head extend {1000 * extend:.2f} ms, head step {1000 * step:.2f} ms")
-        big = {"total_tokens": max(sizes), "depth": max(depths), "branch": branch}
-        params = build_params(EagleParams, {"max_new_tokens": args.max_new_tokens, **big})
-        rounds = [
-            r for ids in prompts for r in rounds_of(collect(decode_loop(loaded, ids, params, head, torch.Generator())))
+        shape = TreeShape(max(sizes), max(depths), branch)
+        settings = TreeSettings(args.max_new_tokens, SamplingConfig(temperature=0.0), method="eagle")
+        runs = [
+            collect(tree_loop(loaded, ids, EagleProposer(head, shape), torch.Generator(), settings)) for ids in prompts
         ]
+        rounds = [r for events in runs for r in rounds_of(events)]
         print(f"branch {branch}: tau by total_tokens (rows) x depth {depths} (columns), {len(rounds)} rounds")
         for n in sizes:
             print(f"  {n:4d}: " + " ".join(f"{tau_for(rounds, n, depth):5.2f}" for depth in depths))

@@ -9,7 +9,8 @@ Deliberate differences from the paper, to fit the lab's 25 MB budget and keep dr
 - it scores only V_d, a frequency-ranked draft vocabulary (FR-Spec / EAGLE-3 style, `lab.heads.common`);
   verification always scores the full vocabulary, so outputs stay exact.
 The candidate tree is given by `choices`, a list of paths like Medusa's `medusa_choices`: path (i_1, .., i_d)
-is a node at depth d whose token is rank i_d of head d, under the node of path (i_1, .., i_{d-1}).
+is a node at depth d whose token is rank i_d of head d, under the node of path (i_1, .., i_{d-1}); drafting is
+`lab.speculative.proposers.medusa`.
 `tune_choices` orders paths by their estimated acceptance probability, prod_j acc_j[i_j] (Medusa's greedy tree
 construction, Sec. 3.3.2 / App. C), so the first N paths of the list are the best N-node tree.
 Not covered: Medusa-2 (joint fine-tuning of the base model), per-head LM-head copies, tree pruning at run time.
@@ -18,7 +19,6 @@ Not covered: Medusa-2 (joint fine-tuning of the base model), per-head LM-head co
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -58,85 +58,6 @@ class MedusaHeads:
         """p^(k) over V_d for each head: h [H] -> [K, V_d]."""
         u = residual_blocks(h.float()[None], self.weight, self.bias)[0]  # [K, H]
         return torch.softmax(u @ self.lm_weight.T, dim=-1)  # [K, V_d]
-
-
-@dataclass(frozen=True)
-class DraftTree:
-    """A candidate tree below the root (the last committed token). Node i: tokens[i] (model ids), parents[i]
-    (-1 = child of the root), depths[i], heads[i] (the head / draft position that proposed it), ranks[i] and
-    q[i] (its probability under the drafter's distribution at that node)."""
-
-    tokens: list[int]
-    parents: list[int]
-    depths: list[int]
-    heads: list[int]
-    ranks: list[int]
-    q: list[float]
-    head_top: tuple[list[list[int]], list[list[float]]] = ([], [])  # per draft position: top ids and probs
-    q_rows: torch.Tensor | None = None  # [n, V] the distribution each node was drawn from (sampled chains)
-
-    @property
-    def size(self) -> int:
-        return len(self.tokens)
-
-
-def prune_choices(choices: list[Path], max_nodes: int, max_depth: int, num_heads: int) -> list[Path]:
-    """The first `max_nodes` paths that fit the depth budget and the head count, parents kept before children."""
-    kept: list[Path] = []
-    present = set()
-    for path in choices:
-        if len(kept) >= max_nodes:
-            break
-        if len(path) > min(max_depth, num_heads) or (len(path) > 1 and path[:-1] not in present):
-            continue
-        kept.append(path)
-        present.add(path)
-    return sorted(kept, key=lambda p: (len(p), p))
-
-
-Conditional = Callable[[tuple[int, ...]], torch.Tensor]  # parent's path (V_d indices, root first) -> probs [V_d]
-
-
-def tree_from_choices(
-    choices: list[Path], conditional: Conditional, vocab: torch.Tensor, eos_ids: tuple[int, ...] = ()
-) -> DraftTree:
-    """Materialise a choices tree: node (i_1..i_d) = rank i_d of `conditional(prefix)`, where prefix holds the
-    draft-vocabulary indices of the tokens on the path to its parent.
-
-    Medusa's conditional only looks at len(prefix) (independent heads); MTPC's conditions on the prefix.
-    Children of an EOS node are dropped (the target stops there). `choices` must list parents first.
-    """
-    index: dict[Path, int] = {}
-    tokens, parents, depths, ranks, q, prefixes = [], [], [], [], [], []
-    tops: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    widest: dict[Path, int] = {}
-    for path in choices:
-        widest[path[:-1]] = max(widest.get(path[:-1], 0), path[-1] + 1)
-    for path in choices:
-        parent = index.get(path[:-1], -1) if len(path) > 1 else -1
-        if len(path) > 1 and (path[:-1] not in index or tokens[parent] in eos_ids):
-            continue
-        prefix = prefixes[parent] if parent >= 0 else ()
-        if parent not in tops:
-            probs = conditional(prefix)  # [V_d]
-            tops[parent] = torch.topk(probs, min(widest[path[:-1]], probs.numel()))
-        values, ids = tops[parent]
-        if path[-1] >= ids.numel():
-            continue
-        index[path] = len(tokens)
-        tokens.append(int(vocab[ids[path[-1]]]))
-        prefixes.append(prefix + (int(ids[path[-1]]),))
-        parents.append(parent)
-        depths.append(len(path) - 1)
-        ranks.append(path[-1])
-        q.append(float(values[path[-1]]))
-    return DraftTree(tokens, parents, depths, list(depths), ranks, q)
-
-
-def head_top(probs: torch.Tensor, vocab: torch.Tensor, k: int = 8) -> tuple[list[list[int]], list[list[float]]]:
-    """Top-k token ids and probabilities of each row of [K, V_d] (for the per-head heatmap)."""
-    values, ids = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
-    return vocab[ids].tolist(), [[round(v, 5) for v in row] for row in values.tolist()]
 
 
 def tune_choices(accuracy: list[list[float]], max_nodes: int = 64) -> list[Path]:

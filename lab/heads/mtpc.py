@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn import functional as F
 
-from lab.heads.medusa import DraftTree, Path, residual_blocks
+from lab.heads.medusa import Path, residual_blocks
 
 
 def mtpc_logits(h: torch.Tensor, t: dict[str, torch.Tensor], lm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +130,7 @@ class Circuit:
             q = self.conditional(prefix)
             rows.append(q)
             prefix = prefix + (int(torch.multinomial(q, 1, generator=generator)),)
-        return list(prefix), torch.stack(rows) if rows else torch.zeros(0, self.logp.shape[-1])
+        return list(prefix), torch.stack(rows) if rows else self.logp.new_zeros(0, self.logp.shape[-1])
 
     def pairs(self, top: int = 6) -> tuple[list[tuple[int, int]], list[float], list[float]]:
         """Candidate pairs of the first two draft positions: joint sum_z w_z p_1z(a) p_2z(b) vs q_1(a) q_2(b)."""
@@ -144,14 +144,3 @@ class Circuit:
         cells = [(i // top, i % top) for i in order]
         pairs = [(int(a[i]), int(b[j])) for i, j in cells]
         return pairs, [float(joint[i, j]) for i, j in cells], [float(product[i, j]) for i, j in cells]
-
-
-def chain_tree(indices: list[int], rows: torch.Tensor, vocab: torch.Tensor, vocab_size: int) -> DraftTree:
-    """A sampled chain as a DraftTree with its q rows scattered to the full vocabulary. rows [n, V_d]."""
-    n = len(indices)
-    full = torch.zeros(n, vocab_size)
-    full[:, vocab] = rows  # [n, V]
-    ranks = [int((rows[i] > rows[i, x]).sum()) for i, x in enumerate(indices)]
-    q = [float(rows[i, x]) for i, x in enumerate(indices)]
-    tokens = [int(vocab[x]) for x in indices]
-    return DraftTree(tokens, list(range(-1, n - 1)), list(range(n)), list(range(n)), ranks, q, q_rows=full)

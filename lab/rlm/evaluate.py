@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from lab.models import LoadedModel, load_model
 from lab.params import InputError, build_params
+from lab.registry import get_strategy
 from lab.rlm import lm, tasks
 from lab.rlm.loop import answer_matches
 from lab.runner import make_generator
@@ -51,8 +52,6 @@ class TaskRun:
 
 
 def run_rlm(loaded: LoadedModel, kind: str, size: int, seed: int) -> tuple[RlmResult, RlmContext, float]:
-    from strategies import get_strategy
-
     strategy = get_strategy("rlm")
     params = build_params(strategy.Params, {"task": kind, "context_tokens": size, "task_seed": seed})
     start = time.perf_counter()

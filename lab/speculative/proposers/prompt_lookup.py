@@ -23,7 +23,7 @@ Not covered: suffix trees / multi-candidate lookup (a tree of matches).
 
 from __future__ import annotations
 
-from lab.proposers.base import Draft, DraftContext
+from lab.speculative.draft import Draft, DraftContext, Verified
 
 
 def lookup_match(tokens: list[int], max_ngram: int, gamma: int) -> tuple[list[int], int]:
@@ -66,6 +66,7 @@ class PromptLookupProposer:
     """Deterministic n-gram drafter over the prompt and the generated text; costs no forward pass."""
 
     name = "prompt-lookup"
+    feature_layers = ()
 
     def __init__(self, max_ngram: int = 3, scaled: bool = False) -> None:
         if max_ngram < 1:
@@ -88,9 +89,9 @@ class PromptLookupProposer:
         rows = [
             continuations(context.tokens + tokens[:i], self.max_ngram, context.fanout + 1) for i in range(len(tokens))
         ]
-        return Draft(tokens, None, None, [ids for ids, _ in rows], [probs for _, probs in rows])
+        return Draft(tokens, top_ids=[ids for ids, _ in rows], top_probs=[probs for _, probs in rows])
 
-    def accept(self, n_accepted: int) -> None:
+    def accept(self, verified: Verified) -> None:
         """Stateless: nothing to roll back."""
 
     def close(self) -> None:

@@ -21,6 +21,15 @@ the next round; whether a guess is cached depends on timing and on earlier guess
 uniforms. So each round still drafts x ~ q on its context and Alg. 1 of Leviathan et al. 2023 keeps the output
 distributed as p (greedy: identical tokens). Sampling runs are therefore exact in distribution but not
 reproducible token for token from the seed (which guesses were cached depends on timing).
+`SSDSchedule` plugs all of this into the chain loop (`lab.speculative.chain`): its `draft` takes the cache entry
+of the actual outcome (a hit; an empty entry is a miss) or drafts on the main thread, `verifying` runs the
+speculator around the target's verify with the thread split below, `round_events` reports the round.
+Threads (CPU): the drafter thread sets its own torch intra-op count (`draft_threads`); the target's thread uses
+`target_threads` while the two overlap (its verify), by default its own count minus the drafter's (at least 1;
+unchanged for prompt lookup), and its own count again afterwards: OpenMP thread counts are per calling thread, so
+the settings do not interfere, and the schedule restores them in every case. Oversubscribing (2 target threads +
+1 drafter thread on 2 cores) was measured to stall the target's OpenMP team badly, hence the split.
+The worker's generator is its own, seeded from the run's and on the model's device.
 Deviations from the paper: one CPU worker thread drafts the branches one after another (the paper batches all
 branches on a separate GPU), the fan-out per position follows the estimated outcome probability through a
 single ranked list instead of the paper's closed-form allocation, and Saguaro sampling (reshaping the draft
@@ -30,16 +39,19 @@ with the same drafter on the main thread. Not covered: tree drafts, several sequ
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from lab.proposers import Draft, DraftContext, Proposer
 from lab.sampling import SamplingConfig
+from lab.speculative.draft import Draft, DraftContext, Proposer
+from lab.trace import PipelineSpan, SpeculationRound
 
 PROBE = -1  # the token of the plan entry that probes the bonus position
 
@@ -187,3 +199,130 @@ class Speculator:
         reach = job.alpha**n
         job.planned[n] += len(others[: self.fanout - 1])
         return [Guess(reach * p, n, t) for t, p in others[: self.fanout - 1]]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block with `n` torch intra-op threads on this thread, then restore the previous count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def split_threads(total: int, draft_threads: int, target_threads: int, model_drafter: bool) -> int:
+    """The target thread's count while the drafter thread runs: `target_threads`, or (0 = auto) the total minus
+    the drafter's for a model drafter, the total for prompt lookup (its drafter thread runs no forwards)."""
+    if target_threads:
+        return target_threads
+    return max(1, total - max(draft_threads, 1)) if model_drafter else total
+
+
+def worker_generator(generator: torch.Generator) -> torch.Generator:
+    """The drafter thread's own generator: seeded from the run's, on the same device."""
+    seed = int(torch.randint(2**62, (), generator=generator, device=generator.device))
+    return torch.Generator(device=generator.device).manual_seed(seed)
+
+
+def next_gammas(gamma: int, n: int, done: int, max_new_tokens: int, rule: Callable[[int, int, int], int]) -> list[int]:
+    """The next round's gamma for each outcome k = 0..n of a draft of n tokens with `done` tokens generated
+    (0: the budget ends, no next draft needed); `rule(gamma, drafted, accepted)` is the chain loop's."""
+    gammas = []
+    for k in range(n + 1):
+        left = max_new_tokens - (done + k + 1)
+        gammas.append(max(0, min(rule(gamma, n, k), left - 1)) if left > 0 else 0)
+    return gammas
+
+
+@dataclass(frozen=True)
+class SSDSettings:
+    fanout: int = 3
+    draft_threads: int = 1
+    target_threads: int = 0
+    max_new_tokens: int = 128
+    next_gamma: Callable[[int, int, int], int] = lambda gamma, drafted, accepted: gamma  # the chain loop's rule
+
+
+class SSDSchedule:
+    """SSD as a schedule of the chain loop (module docstring): speculation cache, drafter thread, thread split."""
+
+    def __init__(self, proposer: Proposer, config: SamplingConfig, eos: tuple[int, ...], settings: SSDSettings,
+                 generator: torch.Generator, model_drafter: bool, prompt_length: int) -> None:  # fmt: skip
+        self.proposer, self.settings, self.fanout = proposer, settings, settings.fanout
+        self.prompt_length, self.text_of = prompt_length, str
+        self.clock = time.perf_counter()
+        self.speculator = Speculator(
+            proposer, config, eos, settings.fanout, settings.draft_threads, worker_generator(generator), self.clock
+        )
+        total = torch.get_num_threads()
+        self.verify_threads = split_threads(total, settings.draft_threads, settings.target_threads, model_drafter)
+        self.cached: Draft | None = None
+        self.counts = [0, 0]  # accepted, examined (for alpha)
+        self.job: Job | None = None
+        self.used = (0, 0)
+        self.spans: list[PipelineSpan] = []
+
+    def _span(self, step: int, what: str, start: float, who: str = "drafter", detail: str = "") -> PipelineSpan:
+        end = time.perf_counter() - self.clock
+        return PipelineSpan(step, who, what, round(start - self.clock, 6), round(end, 6), "main", detail)
+
+    def draft(self, context: DraftContext) -> tuple[Draft, float]:
+        """A hit takes the cached branch (drafted on to gamma when it was cut short); a miss drafts here."""
+        start, eos, cached = time.perf_counter(), context.eos_token_ids, self.cached
+        self.spans, self.used, self.text_of = [], (0, 0), context.text_of
+        if cached is None:
+            draft = self.proposer.propose(context).cut_at_eos(eos)
+            self.spans.append(self._span(context.step, "draft", start))
+            return draft, time.perf_counter() - start
+        draft = cached.truncated(context.gamma).cut_at_eos(eos)
+        used = draft.size
+        if used < context.gamma and not (draft.tokens and draft.tokens[-1] in eos):
+            rest = replace(context, tokens=context.tokens + draft.tokens, gamma=context.gamma - used)
+            draft = draft.extended(self.proposer.propose(rest).cut_at_eos(eos))
+            self.spans.append(self._span(context.step, "extend", start))
+        self.used = (used, draft.size - used)
+        return draft, sum(s.end - s.start for s in self.spans)
+
+    @contextlib.contextmanager
+    def verifying(self, context: DraftContext, draft: Draft, gamma: int) -> Iterator[None]:
+        """Speculate in the drafter thread while the target verifies; stop it (the forward in flight ends)."""
+        done, rule = len(context.tokens) - self.prompt_length, self.settings.next_gamma
+        gammas = next_gammas(gamma, draft.size, done, self.settings.max_new_tokens, rule)
+        self.job = Job(context.step, context.tokens, draft, gammas, acceptance_estimate(*self.counts))
+        self.speculator.start(self.job)
+        start = time.perf_counter()
+        try:
+            with torch_threads(self.verify_threads):
+                yield
+        finally:
+            self.spans.append(self._span(context.step, "verify", start, "target"))
+            start = time.perf_counter()
+            self.speculator.finish(self.job)
+            self.spans.append(self._span(context.step, "wait", start, "target", "for the drafter thread to stop"))
+
+    def round_events(self, step: int, acc, start: float, times: tuple[float, float]) -> list:
+        """SpeculationRound, the main thread's spans and the worker's spans; the next round's cache entry."""
+        job, k, token = self.job, len(acc.accepted), acc.tokens[-1]
+        self.counts = [self.counts[0] + k, self.counts[1] + k + (acc.recovered is not None)]
+        entry = job.cache.get((k, token))
+        self.cached = entry if entry is not None and entry.tokens else None  # an empty draft is no hit
+        keys = list(job.cache)
+        hit = self.cached is not None
+        event = SpeculationRound(
+            step=step, hit=hit, accepted=k, token=token, token_text=self.text_of(token),
+            cached_tokens=self.used[0], extended=self.used[1], branches=sum(job.fanout), completed=job.completed,
+            fanout=list(job.fanout), planned=list(job.planned), keys_k=[key[0] for key in keys],
+            keys_tokens=[key[1] for key in keys], keys_texts=[self.text_of(key[1]) for key in keys],
+            hit_rank=keys.index((k, token)) if hit else -1, alpha=round(job.alpha, 4),
+        )  # fmt: skip
+        worker = [PipelineSpan(step, "drafter", w, round(a, 6), round(b, 6), "worker", d) for w, d, a, b in job.spans]
+        self.job = None
+        return [event, *self.spans, *worker]
+
+    def close(self) -> None:
+        if self.job is not None:
+            self.job.stop.set()
+            self.job.done.wait()
+        self.speculator.close()

@@ -1,4 +1,4 @@
-"""Model drafters: a separate causal LM sharing the target's tokenizer, or the target's own first L layers.
+"""Draft-model drafting: a separate causal LM sharing the target's tokenizer drafts the chain (Leviathan et al. 2023).
 
 `ModelProposer` drafts x_1..x_gamma autoregressively from any `LoadedModel`, with its own KV cache: each
 proposal first rolls the cache back to the longest common prefix with the committed tokens (`lab.runtime.crop`)
@@ -8,27 +8,20 @@ x_i is drawn from q_i with the run's generator (Leviathan et al. 2023, Alg. 1, l
 the argmax, a deterministic draft, so q_draft is None (q one-hot at x_i). The last drafted token is never fed
 to the drafter; the next proposal feeds it if kept. For SSD a context can ask for the top fanout + 1 tokens of
 each q_i (`Draft.top_ids`, ranking the guessed outcomes) and stop early (`should_stop`, polled between forwards).
-`self_draft_view(target, L)` builds the self-drafter (as in Draft & Verify, Zhang et al. 2024, and LayerSkip,
-Elhoushi et al. 2024, without their training): a shallow copy of the target that shares every parameter
-(embeddings, the first L decoder layers, the final norm, the LM head) and has `num_hidden_layers = L`, so it
-gets its own L-layer KV cache. `load_draft_model` loads a drafter by id or path through `lab.models.load_model`
+`load_draft_model` loads a drafter by id or path through `lab.models.load_model`
 on the target's device and dtype and refuses one whose tokenizer differs (`check_same_tokenizer`).
-Not covered: drafters with another tokenizer (universal assisted generation), sharing the target's KV cache
-for the first L layers (LayerSkip's cache reuse), trained early-exit heads.
+Not covered: drafters with another tokenizer (universal assisted generation).
 """
 
 from __future__ import annotations
 
-import copy
-
 import torch
-from torch import nn
 
 from lab import runtime
-from lab.models import DTYPES, LoadedModel, load_model, wrap_model
+from lab.models import DTYPES, LoadedModel, load_model
 from lab.params import InputError
-from lab.proposers.base import Draft, DraftContext, common_prefix_length
 from lab.sampling import process_logits, sample, target_distribution
+from lab.speculative.draft import Draft, DraftContext, Verified, common_prefix_length
 
 SAMPLE_TEXT = "Speculative decoding, 2023: the quick brown fox (x=42) jumps! ¿Qué tal? 東京 ✓\n\tdef f(): return 1"
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
@@ -68,31 +61,6 @@ def load_draft_model(target: LoadedModel, spec: str) -> LoadedModel:
     return draft
 
 
-def self_draft_view(target: LoadedModel, n_layers: int) -> LoadedModel:
-    """The target's first `n_layers` decoder layers + final norm + LM head as a model of its own (shared
-    parameters, nothing copied but the module containers and the config)."""
-    total = target.num_layers
-    if not 1 <= n_layers <= total:
-        raise InputError(f"draft_layers = {n_layers} must be between 1 and the target's {total} layers.")
-    decoder = target.model.get_decoder()
-    name = next((key for key, module in target.model._modules.items() if module is decoder), None)
-    if name is None or not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
-        raise InputError(f"self-draft needs a decoder-only LM with a `layers` list; {target.spec!r} differs.")
-    config = copy.deepcopy(target.model.config)
-    config.num_hidden_layers = n_layers
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = config.layer_types[:n_layers]
-    view_decoder = copy.copy(decoder)  # shallow: same parameters, buffers and submodules
-    view_decoder._modules = dict(decoder._modules)
-    view_decoder.layers = nn.ModuleList(list(decoder.layers)[:n_layers])
-    view_decoder.config = config
-    view = copy.copy(target.model)
-    view._modules = dict(target.model._modules)
-    setattr(view, name, view_decoder)
-    view.config = config
-    return wrap_model(view, target.tokenizer, spec=f"{target.spec}[:{n_layers}]")
-
-
 def _fit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
     """Cut or -inf-pad the drafter's logits [V_d] to the target's vocabulary size (padded LM heads differ)."""
     if logits.shape[-1] == size:
@@ -112,6 +80,8 @@ def _candidates(processed: torch.Tensor, k: int) -> tuple[list[int], list[float]
 
 class ModelProposer:
     """Autoregressive drafting with a causal LM and its own KV cache (Leviathan et al. 2023, Alg. 1, M_q)."""
+
+    feature_layers = ()
 
     def __init__(self, draft: LoadedModel, vocab_size: int, name: str = "model") -> None:
         self.draft = draft
@@ -158,11 +128,11 @@ class ModelProposer:
                 break
             logits = runtime.decode_step(self.state, token).logits[-1]  # [V_d]
         q = torch.stack(rows) if rows else None  # q: [n, V] or None (greedy)
-        return Draft(drafted, q, None, top_ids or None, top_probs or None)
+        return Draft(drafted, q=q, top_ids=top_ids or None, top_probs=top_probs or None)
 
-    def accept(self, n_accepted: int) -> None:
-        """Keep the committed prefix and the first n accepted draft tokens; the rest of the cache is dropped."""
-        keep = min(self._kept_length + n_accepted, self.state.length)
+    def accept(self, verified: Verified) -> None:
+        """Keep the committed prefix and the accepted draft tokens; the rest of the cache is dropped."""
+        keep = min(self._kept_length + verified.n_accepted, self.state.length)
         if keep < self.state.length:
             runtime.crop(self.state, keep)
 
