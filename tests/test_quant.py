@@ -85,6 +85,20 @@ def test_low_bit_linears_compute_x_times_their_dequantized_weight(kind: str, dty
     assert (module.weight.float() - weight).abs().max() < (0.05 if kind == "int8" else 0.5)
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_low_bit_rows_do_not_depend_on_how_many_rows_there_are(kind: str) -> None:
+    """lab.invariance's contract for linears in bf16: a verify row equals the one-row decode product bit for bit."""
+    torch.manual_seed(1)
+    weight = torch.randn(1536, 576) * 0.02
+    dtype = torch.bfloat16
+    module = Int8Linear(weight, None, dtype) if kind == "int8" else Int4Linear(q4_from_weight(weight), None, dtype)
+    x = torch.randn(17, 576).to(dtype)
+    with torch.inference_mode():
+        singles = torch.cat([module(x[i : i + 1]) for i in range(17)])
+        for rows in (2, 5, 8, 17):
+            assert torch.equal(module(x[:rows]), singles[:rows]), rows
+
+
 def test_quantized_copy_replaces_the_linears_and_keeps_a_tied_embedding() -> None:
     model = tiny_llama(seed=3)
     model.config.tie_word_embeddings = True
