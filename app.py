@@ -19,10 +19,10 @@ ZeroGPU (Hugging Face Spaces): `model_events` (load, encode, stream plain trace 
 embedded model in the background. The stable API endpoint `/run` (gradio_client) takes
 (model, strategy, prompt, chat, max_new_tokens, seed, params_json) and streams
 (token_html, figure, stats, text, trace_json, trace_file, detail figures...); the final update carries every
-output. `/compare` takes (strategies, prompt, seed, max_new_tokens, chat, model, device, dtype) and streams four
-columns of (title, token_html, stats, figure), then the diff HTML and the summary table.
+output. `/compare` takes (strategies, prompt, seed, max_new_tokens, chat, model, device, dtype, precision) and
+streams four columns of (title, token_html, stats, figure), then the diff HTML and the summary table.
 
-Element ids (stable; the browser tests use them):
+Element ids (stable; the browser tests use them; the Run tab's weight precision is `precision`):
   tabs: tab-run, tab-compare, tab-replay, tab-learn, tab-measure
   run:  model, strategy, preset, prompt, run-button, stop-button, stats, token-view, main-plot, detail-plot-{1..5},
         text, trace-file, inspect-accordion, inspect-step, inspect-gamma, inspect-plot, alternatives

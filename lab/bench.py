@@ -1,32 +1,32 @@
 """The benchmark behind `python -m lab bench`: tokens/s of strategies against Hugging Face `generate`.
 
-Covered: every strategy runs every prompt (chat template on) `repeat` times with its default parameters and
-the given `max_new_tokens`; optionally `model.generate(do_sample=False)` runs the same prompt ids on the same
-model, device and dtype as the reference row "hf-generate". Runs are interleaved round-robin (for each prompt
-and repeat: every strategy, then hf-generate) so machine noise hits every row alike, after one untimed warm-up
-run of each row. Per-strategy parameters override the defaults (`--params NAME.key=value`,
-`parse_param_overrides`). `--hf-assist prompt-lookup|self-draft[:L]|MODEL` adds the row "hf-assist":
-transformers' assisted generation (greedy) with prompt lookup (`prompt_lookup_num_tokens`) or an assistant model
+Covered: every strategy runs every prompt (chat template on) `repeat` times with its default parameters and the
+given `max_new_tokens`, at the bench's weight precision (`lab.quant`) or its own (`NAME@PRECISION`, e.g.
+greedy@int4: one model is loaded per precision); optionally `model.generate(do_sample=False)` runs the same prompt
+ids on the same model, device, dtype and precision as the reference row "hf-generate", and `--llama-cpp` adds
+llama-cpp-python's greedy decoding of the same GGUF (`lab.bench_reference`). Runs are interleaved round-robin (for
+each prompt and repeat: every strategy, then the reference rows) so machine noise hits every row alike, after one
+untimed warm-up run of each row. Per-strategy parameters override the defaults (`--params NAME.key=value`,
+`parse_param_overrides`). `--hf-assist prompt-lookup|self-draft[:L]|MODEL` adds the row "hf-assist": transformers'
+assisted generation (greedy) with prompt lookup (`prompt_lookup_num_tokens`) or an assistant model
 (`assistant_model=`: the lab's self-drafter, the target's first L layers, or a model loaded like the target;
-constant `num_assistant_tokens`), using the speculative (else ssd) row's gamma, max_ngram and draft_layers when
-one is benched (else transformers' defaults: 10 tokens and n-gram 2, or 20 assistant tokens). The HF rows'
-forwards/token count every call of the target module (draft calls too when the assistant is the target).
-Per row: median tokens/s (new tokens / wall time of one run, prefill included), speedup against the first
-strategy's median, mean new tokens, forwards per token and the mean of every other numeric
-field of `lab.trace.Stats` (plus SSD's `lab.trace.speculation_stats`: cache hit rate, branches per round).
-Both paths stop at the same EOS ids, and a strategy's stop reasons are noted. `--profile` adds one more, untimed
-pass of every strategy with `lab.profile`'s module timer: the share of wall time in target forwards, drafting,
-acceptance, KV compaction and the rest, and the cost of a target forward at the positions it scored.
-Not covered: asserting speeds (tests never do), batching, memory use, sampling in the HF reference row.
+constant `num_assistant_tokens`), using the speculative (else ssd) row's gamma, max_ngram and draft_layers when one
+is benched (else transformers' defaults: 10 tokens and n-gram 2, or 20 assistant tokens). The HF rows'
+forwards/token count every call of the target module (draft calls too when the assistant is the target). Per row:
+median tokens/s (new tokens / wall time of one run, prefill included), speedup against the first strategy's median,
+mean new tokens, forwards per token and the mean of every other numeric field of `lab.trace.Stats` (plus SSD's
+`lab.trace.speculation_stats`: cache hit rate, branches per round). Both paths stop at the same EOS ids, and a
+strategy's stop reasons are noted. `--profile` adds one more, untimed pass of every strategy with `lab.profile`'s
+module timer: the share of wall time in target forwards, drafting, acceptance, KV compaction and the rest, and the
+cost of a target forward at the positions it scored.
+Not covered: asserting speeds (tests never do), batching, memory use, sampling in the reference rows.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import platform
 import statistics
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,35 +34,29 @@ from typing import Any
 
 import torch
 
+from lab.bench_reference import (  # noqa: I001
+    HF_ASSIST_ROW,
+    HF_ROW,
+    LLAMA_CPP_ROW,
+    LlamaCppRow,
+    RunSample,
+    hf_assist_kwargs,
+    time_hf_generate,
+)
 from lab.models import EMBEDDED_MODEL, LoadedModel
 from lab.params import InputError
 from lab.profile import ProfileRow, format_profile, module_timer, profile_row
 from lab.prompts import load_prompts
 from lab.runner import prepare, stream_run
-from lab.speculative.proposers.draft_model import load_draft_model
-from lab.speculative.proposers.self_draft import self_draft_view
-from lab.trace import Stats, speculation_stats, summarize
+from lab.trace import Stats, TokenEmitted, speculation_stats, summarize
 from lab.validation import RunRequest, validate_request
 
-HF_ROW = "hf-generate"
-HF_ASSIST_ROW = "hf-assist"
-HF_PROMPT_LOOKUP = "prompt-lookup"
-HF_SELF_DRAFT = "self-draft"
 MAX_REPEAT = 100
 WARMUP_TOKENS = 16
 COLUMNS = ("strategy", "median tok/s", "speedup vs first", "tokens", "forwards/token", "notes")
 
 Progress = Callable[[int, int, str], None]
-
-
-@dataclass(frozen=True)
-class RunSample:
-    """One timed run: its tokens/s and the numeric statistics of the run."""
-
-    tokens_per_s: float
-    new_tokens: int
-    metrics: dict[str, float]
-    stop_reason: str
+Timer = Callable[[int, list[int]], RunSample]  # (prompt index, prompt ids) -> one timed run
 
 
 @dataclass
@@ -77,6 +71,7 @@ class BenchRow:
     runs: int
     metrics: dict[str, float] = field(default_factory=dict)  # mean of every numeric Stats field
     notes: str = ""
+    precision: str = ""  # weight format of the model the row ran on ("" for llama.cpp: the GGUF as stored)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -110,45 +105,8 @@ def time_strategy(request: RunRequest, loaded: LoadedModel, prompt_ids: list[int
     stats = summarize(events)
     rate = stats.new_tokens / stats.wall_s if stats.wall_s > 0 else 0.0
     metrics = {**_numeric_stats(stats), **speculation_stats(events)}  # SSD: cache hit rate, branches per round
-    return RunSample(rate, stats.new_tokens, metrics, stats.stop_reason)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def time_hf_generate(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens: int, **assist: Any) -> RunSample:
-    """Greedy `model.generate` on the same ids; stops at the same EOS ids as the strategies. `assist` goes to
-    generate (prompt_lookup_num_tokens, max_matching_ngram_size or assistant_model); target calls are counted."""
-    eos = list(loaded.eos_token_ids)
-    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=loaded.device)  # [1, T]
-    attention_mask = torch.ones_like(input_ids)
-    calls: list[int] = []
-    hook = loaded.model.register_forward_pre_hook(lambda *_: calls.append(1))
-    with torch.inference_mode():
-        _synchronize(loaded.device)
-        start = time.perf_counter()
-        output = loaded.model.generate(
-            input_ids,
-            attention_mask=attention_mask,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos,
-            pad_token_id=eos[0] if eos else None,
-            **assist,
-        )  # [1, T + n]
-        _synchronize(loaded.device)
-        wall = time.perf_counter() - start
-    hook.remove()
-    new_tokens = int(output.shape[1] - input_ids.shape[1])
-    stop = "eos" if new_tokens and int(output[0, -1]) in eos else "max_new_tokens"
-    rate = new_tokens / wall if wall > 0 else 0.0
-    per_token = len(calls) / new_tokens if new_tokens else 0.0
-    metrics = {"new_tokens": new_tokens, "wall_s": wall, "tokens_per_s": rate, "forwards_per_token": per_token}
-    return RunSample(rate, new_tokens, metrics, stop)
+    tokens = tuple(e.token_id for e in events if isinstance(e, TokenEmitted))
+    return RunSample(rate, stats.new_tokens, metrics, stats.stop_reason, tokens)
 
 
 def parse_param_overrides(items: list[str]) -> dict[str, dict[str, str]]:
@@ -164,33 +122,18 @@ def parse_param_overrides(items: list[str]) -> dict[str, dict[str, str]]:
     return overrides
 
 
-def hf_assist_kwargs(loaded: LoadedModel, hf_assist: str, settings: dict[str, int]) -> tuple[dict, str]:
-    """generate() keyword arguments and the row note for `--hf-assist` (prompt-lookup or a model spec)."""
-    if hf_assist == HF_PROMPT_LOOKUP:
-        tokens, ngram = settings.get("gamma", 10), settings.get("max_ngram", 2)
-        kwargs = {"prompt_lookup_num_tokens": tokens, "max_matching_ngram_size": ngram}
-        return kwargs, f"transformers assisted generation, prompt lookup ({tokens} tokens, n-gram {ngram})"
-    if hf_assist.startswith(HF_SELF_DRAFT):  # self-draft or self-draft:L, the lab's self-drafter as the assistant
-        layers = hf_assist.removeprefix(HF_SELF_DRAFT).lstrip(":") or str(settings.get("draft_layers", 8))
-        if not layers.isdigit():
-            raise InputError(f"--hf-assist self-draft:L needs an integer L, got {hf_assist!r}.")
-        draft = self_draft_view(loaded, int(layers))
-    else:
-        draft = loaded if hf_assist == loaded.spec else load_draft_model(loaded, hf_assist)
-    config = copy.deepcopy(draft.model.generation_config)
-    config.num_assistant_tokens = settings.get("gamma", 20)
-    config.num_assistant_tokens_schedule = "constant"
-    draft.model.generation_config = config
-    note = f"transformers assisted generation, assistant {hf_assist} ({config.num_assistant_tokens} tokens)"
-    return {"assistant_model": draft.model}, note
-
-
 def _check_count(name: str, value: int | None, low: int, high: int | None = None) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < low or high is not None and value > high:
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
         raise InputError(f"{name} must be an integer {bound}, got {value!r}.")
+
+
+def split_row(spec: str, precision: str) -> tuple[str, str]:
+    """`NAME@PRECISION` -> (NAME, PRECISION); a plain NAME runs at the bench's `precision`."""
+    name, _, row_precision = spec.partition("@")
+    return name.strip(), row_precision.strip() or precision
 
 
 def build_requests(
@@ -202,21 +145,25 @@ def build_requests(
     device: str,
     dtype: str,
     overrides: dict[str, dict[str, Any]] | None = None,
+    precision: str = "bf16",
 ) -> dict[str, list[RunRequest]]:
-    """One validated request per strategy and prompt (default params, max_new_tokens and any overrides)."""
+    """One validated request per row (a strategy, optionally `@precision`) and prompt: default params,
+    max_new_tokens and any overrides (keyed by strategy name, applied at every precision)."""
     names = [name.strip() for name in strategies if name.strip()]
     if not names:
         raise InputError("No strategies given; pass e.g. --strategies greedy,sample.")
-    if len(set(names)) != len(names) or HF_ROW in names or HF_ASSIST_ROW in names:
+    if len(set(names)) != len(names) or {HF_ROW, HF_ASSIST_ROW, LLAMA_CPP_ROW} & set(names):
         raise InputError(f"Strategies must be distinct and not {HF_ROW!r}: got {', '.join(names)}.")
-    unknown = sorted(set(overrides or {}) - set(names))
+    unknown = sorted(set(overrides or {}) - {split_row(name, precision)[0] for name in names})
     if unknown:
         raise InputError(f"--params names {', '.join(unknown)}, which is not among the benched strategies.")
     options = {"chat": True, "seed": seed, "model": model, "device": device, "dtype": dtype}
     requests = {}
     for name in names:
-        params = {**(overrides or {}).get(name, {}), "max_new_tokens": max_new_tokens}
-        requests[name] = [validate_request(name, text, params, **options) for text in prompts]
+        strategy, row_precision = split_row(name, precision)
+        params = {**(overrides or {}).get(strategy, {}), "max_new_tokens": max_new_tokens}
+        row = {**options, "precision": row_precision}
+        requests[name] = [validate_request(strategy, text, params, **row) for text in prompts]
     return requests
 
 
@@ -246,50 +193,51 @@ def _extra_metrics_note(row: BenchRow) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in extra.items())
 
 
-def _warm_up(
-    requests: dict[str, list[RunRequest]], loaded: LoadedModel, prompt_ids: list[int], hf_rows: dict[str, dict]
-) -> None:
-    """One untimed short run of every row, so lazy initialisation is not timed."""
-    budget = min(WARMUP_TOKENS, requests[next(iter(requests))][0].params.max_new_tokens)
-    for rows in requests.values():
-        request = dataclasses.replace(rows[0], params=dataclasses.replace(rows[0].params, max_new_tokens=budget))
-        time_strategy(request, loaded, prompt_ids)
-    for kwargs in hf_rows.values():
-        time_hf_generate(loaded, prompt_ids, budget, **kwargs)
+def _timers(
+    requests: dict[str, list[RunRequest]], models: dict[str, LoadedModel], budget: int | None = None
+) -> dict[str, Timer]:
+    """One timer per strategy row, on its precision's model; `budget` shortens max_new_tokens (warm-up)."""
+
+    def timer(runs: list[RunRequest], loaded: LoadedModel) -> Timer:
+        def run(index: int, ids: list[int]) -> RunSample:
+            request = runs[index]
+            if budget is not None:
+                request = dataclasses.replace(
+                    request, params=dataclasses.replace(request.params, max_new_tokens=budget)
+                )
+            return time_strategy(request, loaded, ids)
+
+        return run
+
+    return {name: timer(runs, models[runs[0].precision]) for name, runs in requests.items()}
 
 
 def _measure(
-    requests: dict[str, list[RunRequest]],
-    loaded: LoadedModel,
-    prompt_ids: list[list[int]],
-    repeat: int,
-    hf_rows: dict[str, dict],
-    progress: Progress | None,
+    rows: dict[str, Timer], prompt_ids: list[list[int]], repeat: int, progress: Progress | None
 ) -> dict[str, list[RunSample]]:
-    """Round-robin: for each prompt and repeat, every strategy then the HF rows, back to back."""
-    names = list(requests) + list(hf_rows)
-    samples: dict[str, list[RunSample]] = {name: [] for name in names}
-    total, done = len(prompt_ids) * repeat * len(names), 0
-    max_new_tokens = requests[names[0]][0].params.max_new_tokens
+    """Round-robin: for each prompt and repeat, every strategy then the reference rows, back to back."""
+    samples: dict[str, list[RunSample]] = {name: [] for name in rows}
+    total, done = len(prompt_ids) * repeat * len(rows), 0
     for index, ids in enumerate(prompt_ids):
         for r in range(repeat):
-            for name in names:
+            for name, timer in rows.items():
                 done += 1
                 if progress:
                     progress(done, total, f"{name} prompt {index + 1}/{len(prompt_ids)} repeat {r + 1}/{repeat}")
-                if name in hf_rows:
-                    samples[name].append(time_hf_generate(loaded, ids, max_new_tokens, **hf_rows[name]))
-                else:
-                    samples[name].append(time_strategy(requests[name][index], loaded, ids))
+                samples[name].append(timer(index, ids))
     return samples
 
 
 def _profile(
-    requests: dict[str, list[RunRequest]], loaded: LoadedModel, prompt_ids: list[list[int]], progress: Progress | None
+    requests: dict[str, list[RunRequest]],
+    models: dict[str, LoadedModel],
+    prompt_ids: list[list[int]],
+    progress: Progress | None,
 ) -> list[ProfileRow]:
     """One more run of every strategy on every prompt with the module timer on (`lab.profile`)."""
     rows, total = [], len(requests) * len(prompt_ids)
     for name, runs in requests.items():
+        loaded = models[runs[0].precision]
         timers, wall, tokens = [], 0.0, 0
         for index, ids in enumerate(prompt_ids):
             if progress:
@@ -313,11 +261,33 @@ def _config(loaded: LoadedModel, prompts_source: str, n_prompts: int, **settings
         "model": loaded.spec,
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
+        "precision": loaded.precision,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
     }
+
+
+def _reference_rows(
+    loaded: LoadedModel, requests: dict, hf: bool, hf_assist: str | None, llama_cpp: bool, tokens: int
+) -> tuple[dict[str, Callable[[list[int], int], RunSample]], dict[str, str]]:
+    """hf-generate, hf-assist and llama.cpp as (ids, max_new_tokens) -> RunSample, with their notes."""
+    rows: dict[str, Callable[[list[int], int], RunSample]] = {}
+    notes = {HF_ROW: f"transformers generate, greedy (reference), {loaded.precision} weights"}
+    if hf:
+        rows[HF_ROW] = lambda ids, n: time_hf_generate(loaded, ids, n)
+    if hf_assist:
+        name = next((n for n in requests if split_row(n, "")[0] in ("speculative", "ssd")), None)
+        speculative = requests[name][0].params if name else None
+        keys = ("gamma", "max_ngram", "draft_layers")
+        settings = {k: getattr(speculative, k) for k in keys if hasattr(speculative, k)}
+        kwargs, notes[HF_ASSIST_ROW] = hf_assist_kwargs(loaded, hf_assist.strip(), settings)
+        rows[HF_ASSIST_ROW] = lambda ids, n: time_hf_generate(loaded, ids, n, **kwargs)
+    if llama_cpp:
+        runner = LlamaCppRow(loaded, tokens)
+        rows[LLAMA_CPP_ROW], notes[LLAMA_CPP_ROW] = runner.time, runner.note
+    return rows, notes
 
 
 def run_bench(
@@ -329,51 +299,57 @@ def run_bench(
     model: str = EMBEDDED_MODEL,
     device: str = "auto",
     dtype: str = "auto",
+    precision: str = "bf16",
     seed: int = 0,
     limit: int | None = None,
     hf: bool = True,
     params: dict[str, dict[str, Any]] | None = None,
     hf_assist: str | None = None,
+    llama_cpp: bool = False,
     profile: bool = False,
     progress: Progress | None = None,
 ) -> BenchResult:
-    """Measure every strategy (and hf-generate unless `hf` is False, and hf-assist when `hf_assist` names
-    prompt-lookup or a draft model); `params` overrides strategy parameters by strategy name; `profile` adds
-    a profiled pass of every strategy after the timed one (`lab.profile`).
-    Raises InputError / ModelLoadError."""
+    """Measure every strategy row (and hf-generate unless `hf` is False, hf-assist when `hf_assist` names
+    prompt-lookup or a draft model, llama.cpp when `llama_cpp`); `params` overrides strategy parameters by
+    strategy name; `profile` adds a profiled pass of every strategy after the timed one (`lab.profile`).
+    The reference rows run on the model of the bench's `precision`. Raises InputError / ModelLoadError."""
     _check_count("repeat", repeat, 1, MAX_REPEAT)
     _check_count("limit", limit, 1)
     texts = load_prompts(prompts)[:limit]
-    requests = build_requests(strategies, texts, max_new_tokens, seed, model, device, dtype, params)
+    requests = build_requests(strategies, texts, max_new_tokens, seed, model, device, dtype, params, precision)
     first = requests[next(iter(requests))]
-    loaded, _ = prepare(first[0])
+    base = validate_request("greedy", texts[0], {}, model=model, device=device, dtype=dtype, precision=precision)
+    loaded = prepare(base)[0]
+    models = {precision: loaded} | {runs[0].precision: prepare(runs[0])[0] for runs in requests.values()}
     prompt_ids = [prepare(request)[1] for request in first]  # same ids for every row
-    hf_rows, notes = ({HF_ROW: {}} if hf else {}), {HF_ROW: "transformers generate, greedy (reference)"}
-    if hf_assist:
-        name = next((n for n in ("speculative", "ssd") if n in requests), None)
-        speculative = requests[name][0].params if name else None
-        keys = ("gamma", "max_ngram", "draft_layers")
-        settings = {k: getattr(speculative, k) for k in keys if hasattr(speculative, k)}
-        hf_rows[HF_ASSIST_ROW], notes[HF_ASSIST_ROW] = hf_assist_kwargs(loaded, hf_assist.strip(), settings)
+    longest = max(len(ids) for ids in prompt_ids) + max_new_tokens + 8
+    references, notes = _reference_rows(loaded, requests, hf, hf_assist, llama_cpp, longest)
+    timed = _timers(requests, models) | {n: (lambda i, ids, f=f: f(ids, max_new_tokens)) for n, f in references.items()}
+    warm = _timers(requests, models, min(WARMUP_TOKENS, max_new_tokens))
+    warm |= {n: (lambda i, ids, f=f: f(ids, min(WARMUP_TOKENS, max_new_tokens))) for n, f in references.items()}
     if progress:
-        progress(0, len(texts) * repeat * (len(requests) + len(hf_rows)), "warm-up")
-    _warm_up(requests, loaded, prompt_ids[0], hf_rows)
-    samples = _measure(requests, loaded, prompt_ids, repeat, hf_rows, progress)
+        progress(0, len(texts) * repeat * len(timed), "warm-up")
+    for timer in warm.values():  # one untimed short run of every row, so lazy initialisation is not timed
+        timer(0, prompt_ids[0])
+    samples = _measure(timed, prompt_ids, repeat, progress)
     rows: list[BenchRow] = []
     for name, runs in samples.items():
         reference = rows[0].median_tokens_per_s if rows else None
         rows.append(_aggregate(name, runs, reference, notes.get(name, "")))
+        own = requests[name][0].precision if name in requests else loaded.precision
+        rows[-1].precision = "" if name == LLAMA_CPP_ROW else own
     settings = {"strategies": list(requests), "max_new_tokens": max_new_tokens, "repeat": repeat, "seed": seed}
-    extra = {"params": params or {}, "hf_assist": hf_assist}
+    extra = {"params": params or {}, "hf_assist": hf_assist, "llama_cpp": llama_cpp}
     config = _config(loaded, prompts, len(texts), **settings, limit=limit, hf=hf, **extra)
-    return BenchResult(config, rows, _profile(requests, loaded, prompt_ids, progress) if profile else [])
+    return BenchResult(config, rows, _profile(requests, models, prompt_ids, progress) if profile else [])
 
 
 def format_table(result: BenchResult) -> str:
     """A markdown table of the rows, preceded by a one-line description of the configuration."""
     c = result.config
     head = (
-        f"{c['model']} on {c['device']} ({c['dtype']}, {c['threads']} threads), {c['n_prompts']} prompts x "
+        f"{c['model']} on {c['device']} ({c['dtype']}, {c.get('precision', 'bf16')} weights unless a row says "
+        f"otherwise, {c['threads']} threads), {c['n_prompts']} prompts x "
         f"{c['repeat']} repeat(s), max_new_tokens={c['max_new_tokens']}\n\n"
     )
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]

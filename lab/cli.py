@@ -21,6 +21,7 @@ from typing import Any
 
 from lab.models import DEVICES, DTYPES, EMBEDDED_MODEL, ModelLoadError
 from lab.params import InputError, param_specs
+from lab.quant import PRECISIONS
 from lab.registry import by_family, registry
 
 # Modules that add subcommands: each defines register(commands, evaluations, add_model_options), adds its parsers
@@ -30,6 +31,7 @@ PLUGIN_MODULES: tuple[str, ...] = ("lab.distill.cli", "lab.heads.cli", "lab.tot.
 EXIT_OK, EXIT_INPUT, EXIT_MODEL, EXIT_INTERRUPTED = 0, 2, 3, 130
 DEVICE_HELP = "|".join(DEVICES)
 DTYPE_HELP = "|".join(("auto", *DTYPES))
+PRECISION_HELP = "|".join(PRECISIONS)
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +40,16 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", metavar=DTYPE_HELP, help="default: auto")
     parser.add_argument("--seed", default="0", help="seed of the run's random generator (default 0)")
     parser.add_argument("--max-new-tokens", default=None, help="generation budget (default: the Params default)")
+
+
+def _add_precision_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--precision",
+        default="auto",
+        metavar=PRECISION_HELP,
+        help="weight format of the linears: bf16 = float weights in --dtype, int8, int4 (CPU; the GGUF's own "
+        "4-bit blocks for the embedded model), auto = the fastest by a one-off measurement (default)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print one JSON object {text, token_ids, stats}")
     run.add_argument("--trace", metavar="FILE", help="write the trace JSON to FILE")
     _add_model_options(run)
+    _add_precision_option(run)
     bench = commands.add_parser("bench", help="benchmark strategies against Hugging Face generate")
     bench.add_argument("--strategies", required=True, help="comma-separated names; speedups are vs the first")
     bench.add_argument("--prompts", default="builtin", help="builtin, a text file (one per line) or a JSON list")
@@ -72,7 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--profile", action="store_true", help="add a profiled pass: where each strategy's time goes (lab.profile)"
     )
+    bench.add_argument(
+        "--llama-cpp", action="store_true", help="add llama-cpp-python's greedy decoding of the same GGUF as a row"
+    )
     _add_model_options(bench)
+    _add_precision_option(bench)
     evaluate = commands.add_parser("eval", help="evaluate a strategy (see `eval -h` for the evaluations)")
     evaluations = evaluate.add_subparsers(dest="evaluation", required=True)
     evaluate = evaluations.add_parser("mirostat", help="measure perplexity control (observed vs target surprise)")
@@ -163,6 +180,7 @@ def run_request_from_args(args: argparse.Namespace) -> Any:
         model=args.model,
         device=args.device,
         dtype=args.dtype,
+        precision=args.precision,
     )
 
 
@@ -173,7 +191,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     request = run_request_from_args(args)
     loaded, prompt_ids = prepare(request)
-    trace = new_trace(request)
+    trace = new_trace(request, loaded)
     with closing(stream_run(request, loaded, prompt_ids)) as events:
         for event in events:
             trace.events.append(event)
@@ -182,6 +200,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
     stats = summarize(trace.events).as_dict()
     stats.update(prompt_tokens=len(prompt_ids), strategy=request.strategy.name, model=request.model)
+    stats.update(dtype=trace.dtype, precision=trace.precision)
     if args.trace:
         _write_trace(args.trace, to_json(trace))
     if args.json:
@@ -201,7 +220,7 @@ def _write_trace(path: str, text: str) -> None:
 
 def _stats_line(stats: dict) -> str:
     return (
-        f"[{stats['strategy']}] {stats['new_tokens']} tokens in {stats['wall_s']:.2f} s "
+        f"[{stats['strategy']} {stats['precision']}] {stats['new_tokens']} tokens in {stats['wall_s']:.2f} s "
         f"({stats['tokens_per_s']:.1f} tok/s), prompt {stats['prompt_tokens']} tokens, "
         f"{stats['target_forwards']} target forwards ({stats['forwards_per_token']:.2f}/token), "
         f"stop: {stats['stop_reason']}"
@@ -226,9 +245,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         model=args.model,
         device=args.device,
         dtype=args.dtype,
+        precision=args.precision,
         seed=validate_seed(args.seed),
         limit=_int_option("--limit", args.limit),
         hf=not args.no_hf,
+        llama_cpp=args.llama_cpp,
         params=parse_param_overrides(args.params),
         hf_assist=args.hf_assist,
         profile=args.profile,

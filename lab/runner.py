@@ -25,7 +25,7 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
 
 def prepare(request: RunRequest) -> tuple[LoadedModel, list[int]]:
     """Load (or reuse) the model and encode the prompt; raises InputError / ModelLoadError."""
-    loaded = load_model(request.model, request.device, request.dtype)
+    loaded = load_model(request.model, request.device, request.dtype, request.precision)
     prompt_ids = loaded.encode(request.prompt, chat=request.chat)
     check_prompt_fits(loaded, prompt_ids, request.params.max_new_tokens)
     return loaded, prompt_ids
@@ -37,14 +37,18 @@ def stream_run(request: RunRequest, loaded: LoadedModel, prompt_ids: list[int]) 
     return request.strategy.run(loaded, prompt_ids, request.params, generator)
 
 
-def new_trace(request: RunRequest) -> Trace:
-    """An empty trace describing the request; events are appended as they stream."""
-    return Trace(request.strategy.name, request.model, request.prompt, asdict(request.params))
+def new_trace(request: RunRequest, loaded: LoadedModel | None = None) -> Trace:
+    """An empty trace describing the request (with the resolved dtype and precision once the model is loaded);
+    events are appended as they stream."""
+    trace = Trace(request.strategy.name, request.model, request.prompt, asdict(request.params))
+    if loaded is not None:
+        trace.dtype, trace.precision = str(loaded.dtype).removeprefix("torch."), loaded.precision
+    return trace
 
 
 def run_to_trace(request: RunRequest) -> Trace:
     """Run a request to the end and return its full trace."""
     loaded, prompt_ids = prepare(request)
-    trace = new_trace(request)
+    trace = new_trace(request, loaded)
     trace.events.extend(stream_run(request, loaded, prompt_ids))
     return trace

@@ -3,7 +3,8 @@
 Events are frozen dataclasses of plain Python values (ints, floats, strings, lists of those); each carries the
 step index. Strategies emit them, visualizers and stats read them. This module imports neither torch nor
 gradio, so visualizers can depend on it alone.
-A trace file is JSON: {"format", "version", "strategy", "model", "prompt", "params", "events": [{"kind", ...}]}.
+A trace file is JSON: {"format", "version", "strategy", "model", "prompt", "params", "events": [{"kind", ...}]},
+plus the optional "dtype" and "precision" (weight format, `lab.quant`) of the run when they are known.
 Loading checks the size, the nesting depth, the version, every event kind and every field's type, and never
 unpickles anything. Detail kinds of later strategies register themselves with `@event_kind`.
 """
@@ -563,6 +564,8 @@ class Trace:
     prompt: str
     params: dict
     events: list[Event] = field(default_factory=list)
+    dtype: str = ""  # e.g. bfloat16 ("" when not recorded)
+    precision: str = ""  # weight format of the linears: bf16 (float weights), int8, int4 or a requested "auto"
 
     @property
     def text(self) -> str:
@@ -588,6 +591,7 @@ def to_json(trace: Trace) -> str:
         "params": trace.params,
         "events": [event_to_dict(e) for e in trace.events],
     }
+    payload |= {key: value for key in ("dtype", "precision") if (value := getattr(trace, key))}
     return json.dumps(payload, ensure_ascii=False, allow_nan=False)
 
 
@@ -684,5 +688,10 @@ def from_json(text: str | bytes) -> Trace:
             raise TraceError(f"field {key!r} must be a {kind.__name__}")
     if len(payload["events"]) > MAX_EVENTS:
         raise TraceError(f"trace has {len(payload['events'])} events; the limit is {MAX_EVENTS}")
+    for key in ("dtype", "precision"):
+        if not isinstance(payload.get(key, ""), str) or len(payload.get(key, "")) > 40:
+            raise TraceError(f"field {key!r} must be a short string")
     events = [event_from_dict(item, i) for i, item in enumerate(payload["events"])]
-    return Trace(payload["strategy"], payload["model"], payload["prompt"], payload["params"], events)
+    trace = Trace(payload["strategy"], payload["model"], payload["prompt"], payload["params"], events)
+    trace.dtype, trace.precision = payload.get("dtype", ""), payload.get("precision", "")
+    return trace

@@ -1,9 +1,9 @@
 """Input validation in one place, used by the CLI, the app and the benchmark (issue: bad input never crashes).
 
-Everything a user types passes through `validate_request` before any model work: the prompt (empty, or over
-the character limit, rejected before tokenizing), the strategy name, every parameter (type, range, choices),
-the seed, the model name, device and dtype. After tokenizing, `check_prompt_fits` rejects prompts that leave no
-room for generation in the model's context window. Each failure is an `InputError` with a message to show.
+Everything a user types passes through `validate_request` before any model work: the prompt (empty, or over the
+character limit, rejected before tokenizing), the strategy name, every parameter (type, range, choices), the seed,
+the model name, device, dtype and weight precision. After tokenizing, `check_prompt_fits` rejects prompts that leave
+no room for generation in the model's context window. Each failure is an `InputError` with a message to show.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 from lab.models import DEVICES, DTYPES, LoadedModel
 from lab.params import InputError, build_params
+from lab.quant import PRECISIONS
 from lab.registry import get_strategy
 
 MAX_PROMPT_CHARS = 12_000
@@ -33,6 +34,7 @@ class RunRequest:
     model: str
     device: str
     dtype: str
+    precision: str = "auto"  # weight format of the model's linears (lab.quant.PRECISIONS)
 
 
 def validate_prompt(prompt: Any) -> str:
@@ -76,6 +78,7 @@ def validate_request(
     model: Any = "smollm2-135m",
     device: str = "auto",
     dtype: str = "auto",
+    precision: str = "auto",
 ) -> RunRequest:
     """Check everything a user supplied; raise InputError with a clear message on the first problem."""
     found = get_strategy(strategy)
@@ -84,6 +87,8 @@ def validate_request(
         raise InputError(f"Unknown device {device!r}; choose one of {', '.join(DEVICES)}.")
     if dtype != "auto" and dtype not in DTYPES:
         raise InputError(f"Unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}.")
+    if precision not in PRECISIONS:
+        raise InputError(f"Unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}.")
     return RunRequest(
         found,
         built,
@@ -93,6 +98,7 @@ def validate_request(
         validate_model_spec(model),
         device,
         dtype,
+        precision,
     )
 
 

@@ -108,7 +108,16 @@ def test_inspector_rerenders_a_step_from_the_trace_and_rejects_bad_traces(client
 
 def test_compare_runs_strategies_side_by_side_with_a_diff(client):
     job = client.submit(
-        ["greedy", "sample"], "Name three colours.", 0, 6, True, "smollm2-135m", "auto", "auto", api_name="/compare"
+        ["greedy", "sample"],
+        "Name three colours.",
+        0,
+        6,
+        True,
+        "smollm2-135m",
+        "auto",
+        "auto",
+        "auto",
+        api_name="/compare",
     )
     final = job.result(timeout=600)
     diff, summary = final[-2], final[-1]
@@ -116,7 +125,8 @@ def test_compare_runs_strategies_side_by_side_with_a_diff(client):
     assert "sample</b> vs <b>greedy" in diff
     assert "dl-token" in final[1] and "dl-token" in final[5]  # both columns' token views (title, tokens, stats, plot)
     with pytest.raises(Exception, match="Choose 2 to 4"):
-        client.submit(["greedy"], "hi", 0, 4, True, "smollm2-135m", "auto", "auto", api_name="/compare").result(60)
+        options = ("smollm2-135m", "auto", "auto", "auto")
+        client.submit(["greedy"], "hi", 0, 4, True, *options, api_name="/compare").result(60)
 
 
 def test_a_full_queue_is_refused_with_a_clear_message():

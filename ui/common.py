@@ -83,6 +83,7 @@ def stream_trace(request: RunRequest, deadline: float) -> Iterator[tuple[Trace, 
     """(trace, final, status) about every RENDER_INTERVAL_S while the run streams, then once final; bad input
     or a model that cannot load becomes a gr.Error (the server keeps serving)."""
     trace = new_trace(request)
+    trace.precision = request.precision  # as requested: the model loads inside the GPU function (ZeroGPU)
     events = gpu_events(request)
     last_render, status = 0.0, ""
     try:

@@ -73,9 +73,9 @@ def _final(traces: list[Trace], statuses: list[str]) -> list:
     return visible + columns + [diff_html(traces[0].strategy, diffs), summary, {"traces": traces}]
 
 
-def compare_runs(names, prompt, seed, max_new_tokens, chat, model, device, dtype):
+def compare_runs(names, prompt, seed, max_new_tokens, chat, model, device, dtype, precision="auto"):
     """Stream each strategy in turn into its column, then the diff and the summary."""
-    options = {"chat": chat, "model": model, "device": device, "dtype": dtype}
+    options = {"chat": chat, "model": model, "device": device, "dtype": dtype, "precision": precision}
     requests = _requests(names, prompt, seed, max_new_tokens, options)
     deadline = time.monotonic() + MAX_RUN_SECONDS
     traces, statuses = [], []
@@ -91,7 +91,8 @@ def compare_runs(names, prompt, seed, max_new_tokens, chat, model, device, dtype
 
 
 def build_compare_tab(settings: dict) -> None:
-    """Compare controls, four columns, the diff and summary; uses the Run tab's model, device, dtype, chat."""
+    """Compare controls, four columns, the diff and summary; uses the Run tab's model, device, dtype, precision and
+    chat settings."""
     with gr.Row():
         names = gr.Dropdown(
             strategy_choices(),
@@ -125,6 +126,7 @@ def build_compare_tab(settings: dict) -> None:
     inspector = build_inspector("compare-")
     state = gr.State(None, time_to_live=STATE_TTL_S)
     inputs = [names, prompt, seed, budget, settings["chat"], settings["model"], settings["device"], settings["dtype"]]
+    inputs.append(settings["precision"])
     event = run.click(
         compare_runs, inputs, columns + outputs + [diff, summary, state], api_name="compare", **MODEL_QUEUE
     )

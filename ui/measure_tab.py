@@ -48,7 +48,7 @@ def figures(result: dict | None, language: str) -> list:
     return [quality_throughput_figure(rows), acceptance_speedup_figure(rows), matrix]
 
 
-def run_measure(names, limit, tokens, model, device, dtype, language, progress=gr.Progress()):
+def run_measure(names, limit, tokens, model, device, dtype, precision, language, progress=gr.Progress()):
     """Benchmark the selected strategies; progress goes to the bar."""
     try:
         result = measure(
@@ -58,6 +58,7 @@ def run_measure(names, limit, tokens, model, device, dtype, language, progress=g
             model=model,
             device=device,
             dtype=dtype,
+            precision=precision,
             progress=lambda fraction, message: progress(fraction, desc=message),
         )
     except (InputError, ModelLoadError) as error:
@@ -80,7 +81,8 @@ def build_measure_tab(settings: dict, language: gr.Radio) -> None:
     matrix = gr.Plot(label="Selection matrix", elem_id="measure-matrix")
     download = gr.File(label="Measured numbers (JSON)", interactive=False, elem_id="measure-file")
     state = gr.State(None, time_to_live=STATE_TTL_S)
-    inputs = [names, limit, tokens, settings["model"], settings["device"], settings["dtype"], language]
+    inputs = [names, limit, tokens, settings["model"], settings["device"], settings["dtype"], settings["precision"]]
+    inputs.append(language)
     run.click(
         run_measure,
         inputs,

@@ -15,6 +15,7 @@ from lab.models import EMBEDDED_MODEL
 from lab.params import param_specs
 from lab.presets import DEFAULTS, preset_values, presets_for
 from lab.prompts import BUILTIN_PROMPTS
+from lab.quant import PRECISIONS
 from lab.runner import new_trace
 from strategies import REGISTRY
 from ui.common import (
@@ -39,9 +40,12 @@ from ui.common import (
 )
 
 
-def stream_outputs(strategy: str, prompt: str, params: dict, chat: bool, seed, model: str, device: str, dtype: str):
+def stream_outputs(
+    strategy: str, prompt: str, params: dict, chat: bool, seed, model: str, device: str, dtype: str, precision="auto"
+):
     """Validate, then stream throttled renders of the strategy's events until it ends, is stopped or times out."""
-    request = checked_request(strategy, prompt, params, chat=chat, seed=seed, model=model, device=device, dtype=dtype)
+    options = {"chat": chat, "seed": seed, "model": model, "device": device, "dtype": dtype, "precision": precision}
+    request = checked_request(strategy, prompt, params, **options)
     loading = stats_markdown(new_trace(request), f"loading {request.model} …")
     yield [gr.skip(), empty_figure(), loading, "", gr.skip(), gr.skip()] + [gr.skip()] * MAX_FIGURES
     for trace, final, status in stream_trace(request, time.monotonic() + MAX_RUN_SECONDS):
@@ -141,7 +145,8 @@ def preset_updates(strategy: str, preset: str, controls: list) -> list:
 
 
 def build_settings() -> dict:
-    """The left column: model, device, dtype, strategy (+ info, preset, its controls), budget and seed."""
+    """The left column: model, device, dtype, weight precision, strategy (+ info, preset, its controls), budget
+    and seed."""
     ui = {
         "model": gr.Dropdown(
             MODEL_CHOICES, value=EMBEDDED_MODEL, allow_custom_value=True, label="Model", elem_id="model"
@@ -151,6 +156,13 @@ def build_settings() -> dict:
         ui["device"] = gr.Dropdown(["auto", "cpu", "cuda", "mps"], value="auto", label="Device", elem_id="device")
         ui["dtype"] = gr.Dropdown(
             ["auto", "float32", "bfloat16", "float16"], value="auto", label="dtype", elem_id="dtype"
+        )
+        ui["precision"] = gr.Dropdown(
+            list(PRECISIONS),
+            value="auto",
+            label="weights",
+            info="bf16 = float weights in dtype; int8 / int4 on CPU (the GGUF's own 4-bit blocks); auto = fastest",
+            elem_id="precision",
         )
     ui["strategy"] = gr.Dropdown(strategy_choices(), value="greedy", label="Strategy", elem_id="strategy")
     ui["info"] = gr.Markdown(strategy_info("greedy"))
@@ -205,14 +217,14 @@ def build_run_tab() -> dict:
     wire_settings(ui)
     controls = ui["controls"]
 
-    def run_ui(model_, device_, dtype_, strategy_, prompt_, chat_, max_new_, seed_, *values):
+    def run_ui(model_, device_, dtype_, precision_, strategy_, prompt_, chat_, max_new_, seed_, *values):
         params = {p: v for (s, p, _), v in zip(controls, values, strict=True) if s == strategy_}
         params["max_new_tokens"] = max_new_
-        yield from stream_outputs(strategy_, prompt_, params, chat_, seed_, model_, device_, dtype_)
+        yield from stream_outputs(strategy_, prompt_, params, chat_, seed_, model_, device_, dtype_, precision_)
 
     outputs = [views["tokens"], views["main"], views["stats"], views["text"], trace_json, trace_file]
     outputs += [*views["details"], ui["state"]]
-    keys = ("model", "device", "dtype", "strategy", "prompt", "chat", "max_new_tokens", "seed")
+    keys = ("model", "device", "dtype", "precision", "strategy", "prompt", "chat", "max_new_tokens", "seed")
     ui_inputs = [ui[k] for k in keys] + [c for _, _, c in controls]
     ui["events"] = [
         run.click(run_ui, ui_inputs, outputs, api_visibility="private", **MODEL_QUEUE),

@@ -1,0 +1,129 @@
+"""Where the time of one decode step and one tree-verify step goes, per weight precision (issue 17).
+
+For each precision: the median wall time of a bare `lab.runtime.decode_step` (one token after a prompt) and of a
+`lab.runtime.verify_tree` over a --nodes-node tree (cache cropped back after each), then one torch.profiler pass
+over the same calls that splits the time into matmul kernels (`aten::mm` / `addmm` and the low-bit
+`_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`), attention (`scaled_dot_product_attention`), the other
+ATen ops (norms, rotary, cache concatenation, elementwise) and the rest: Python and module dispatch, i.e. wall
+time no ATen op accounts for. Finally the per-token wall time of the greedy strategy itself (the step plus
+logits processing, the top-5 alternatives shown in the UI and detokenization). Timings are noisy on a shared
+machine: run it through /work/quiet.
+
+usage: python scripts/profile_step.py [--precisions bf16,int8,int4] [--steps 40] [--nodes 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from lab import runtime
+from lab.models import LoadedModel, load_model
+from lab.params import build_params
+from lab.trace import summarize
+from lab.tree import TreeAttention, build_tree_attention
+from strategies import collect, get_strategy
+
+MATMUL = ("aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu")
+ATTENTION = ("aten::scaled_dot_product_attention",)
+PROMPT = "Explain in two sentences why the sky is blue, then give one everyday example of scattering."
+
+
+def chain_tree(nodes: int) -> TreeAttention:
+    """A tree of `nodes` nodes: two branches from the root, each a chain (a typical EAGLE / Medusa shape)."""
+    parents = [-1] + [0 if i <= 2 else i - 2 for i in range(1, nodes)]
+    return build_tree_attention(parents)
+
+
+def step_calls(loaded: LoadedModel, nodes: int):
+    """(decode-step fn, verify-tree fn) on a prefilled cache; each restores the cache length."""
+    ids = loaded.encode(PROMPT)
+    state, _ = runtime.prefill(loaded, ids)
+    tree = chain_tree(nodes)
+    drafted = [ids[-1]] * nodes
+    length = state.length
+
+    def decode() -> None:
+        runtime.decode_step(state, ids[-1])
+        runtime.crop(state, length)
+
+    def verify() -> None:
+        runtime.verify_tree(state, tree, drafted)
+        runtime.crop(state, length)
+
+    return decode, verify
+
+
+def median_ms(fn, steps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def split(fn, steps: int) -> dict[str, float]:
+    """Shares of profiled wall time: matmul, attention, other ATen ops, rest (Python and dispatch)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        wall = time.perf_counter() - start
+    totals = {"matmul": 0.0, "attention": 0.0, "other ops": 0.0}
+    for event in prof.key_averages():
+        if event.key in MATMUL:
+            totals["matmul"] += event.self_cpu_time_total
+        elif event.key.startswith(ATTENTION) or "flash_attention" in event.key:
+            totals["attention"] += event.self_cpu_time_total
+        elif event.key.startswith("aten::"):
+            totals["other ops"] += event.self_cpu_time_total
+    ops = {k: v / 1e6 / wall for k, v in totals.items()}
+    ops["rest"] = max(0.0, 1 - sum(ops.values()))
+    return ops
+
+
+def greedy_ms_per_token(loaded: LoadedModel, tokens: int) -> float:
+    strategy = get_strategy("greedy")
+    params = build_params(strategy.Params, {"max_new_tokens": tokens})
+    ids = loaded.encode(PROMPT)
+    collect(strategy.run(loaded, ids, params, torch.Generator()))  # warm-up
+    stats = summarize(collect(strategy.run(loaded, ids, params, torch.Generator())))
+    return 1000 * stats.wall_s / max(stats.new_tokens, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--precisions", default="bf16,int8,int4")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--nodes", type=int, default=16)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}\n")
+    header = "| precision | call | median ms | matmul | attention | other ATen ops | rest (Python, dispatch) |"
+    lines = [header, "|---|---|---|---|---|---|---|"]
+    greedy_lines = []
+    for precision in args.precisions.split(","):
+        loaded = load_model("smollm2-135m", device="cpu", dtype=args.dtype, precision=precision)
+        with torch.inference_mode():
+            labels = ("decode step", f"verify {args.nodes}-node tree")
+            for label, fn in zip(labels, step_calls(loaded, args.nodes), strict=True):
+                ms = median_ms(fn, args.steps)
+                shares = split(fn, max(10, args.steps // 2))
+                cells = " | ".join(f"{100 * shares[k]:.0f}%" for k in ("matmul", "attention", "other ops", "rest"))
+                lines.append(f"| {precision} | {label} | {ms:.2f} | {cells} |")
+        greedy_lines.append(f"| {precision} | {greedy_ms_per_token(loaded, 64):.2f} |")
+        del loaded
+    print("\n".join(lines))
+    print("\n| precision | greedy strategy ms / token (64 tokens, prefill included) |\n|---|---|")
+    print("\n".join(greedy_lines))
+
+
+if __name__ == "__main__":
+    main()
