@@ -553,6 +553,8 @@ class Trace:
     prompt: str
     params: dict
     events: list[Event] = field(default_factory=list)
+    # where this run branched from another (lab.branching.branch_record); None for a run from the prompt
+    branch: dict | None = None
 
     @property
     def text(self) -> str:
@@ -578,6 +580,8 @@ def to_json(trace: Trace) -> str:
         "params": trace.params,
         "events": [event_to_dict(e) for e in trace.events],
     }
+    if trace.branch is not None:  # optional: traces without it (all older ones) load as before
+        payload["branch"] = trace.branch
     return json.dumps(payload, ensure_ascii=False, allow_nan=False)
 
 
@@ -674,5 +678,8 @@ def from_json(text: str | bytes) -> Trace:
             raise TraceError(f"field {key!r} must be a {kind.__name__}")
     if len(payload["events"]) > MAX_EVENTS:
         raise TraceError(f"trace has {len(payload['events'])} events; the limit is {MAX_EVENTS}")
+    branch = payload.get("branch")
+    if branch is not None and not isinstance(branch, dict):
+        raise TraceError("field 'branch' must be an object")
     events = [event_from_dict(item, i) for i, item in enumerate(payload["events"])]
-    return Trace(payload["strategy"], payload["model"], payload["prompt"], payload["params"], events)
+    return Trace(payload["strategy"], payload["model"], payload["prompt"], payload["params"], events, branch)

@@ -18,7 +18,6 @@ from ui.common import (
     MAX_RUN_SECONDS,
     MODEL_QUEUE,
     STATE_TTL_S,
-    TOKEN_CLICK_JS,
     build_inspector,
     checked_request,
     empty_figure,
@@ -28,6 +27,7 @@ from ui.common import (
     view_updates,
     wire_inspector,
 )
+from ui.layout import TOKEN_CLICK_JS
 from visualizers.compare import diff_html
 
 COLUMN_OUTPUTS = 4  # title, token view, stats, main plot
@@ -82,7 +82,7 @@ def compare_runs(names, prompt, seed, max_new_tokens, chat, model, device, dtype
     for index, request in enumerate(requests):
         if time.monotonic() > deadline:
             break
-        for trace, final, status in stream_trace(request, deadline):
+        for trace, final, status, _full in stream_trace(request, deadline):
             if final:
                 traces.append(trace)
                 statuses.append(status)
