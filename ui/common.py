@@ -240,9 +240,10 @@ def write_trace_file(trace_json: str, prefix: str = "trace") -> str:
     return str(path)
 
 
-def view_updates(trace: Trace, status: str = "", selected: int | None = None) -> list:
-    """[token view, main figure, stats, text, detail figures...]: every view of a (partial) trace."""
-    figures = strategy_figures(trace.strategy, trace.events)[:MAX_FIGURES]
+def view_updates(trace: Trace, status: str = "", selected: int | None = None, width_px: float | None = None) -> list:
+    """[token view, main figure, stats, text, detail figures...]: every view of a (partial) trace; `width_px`: the
+    plot width of a narrow column (text in figures is fitted to it)."""
+    figures = strategy_figures(trace.strategy, trace.events, width_px)[:MAX_FIGURES]
     details = [gr.Plot(value=f, visible=True) for f in figures[1:]]
     details += [gr.Plot(visible=False)] * (MAX_FIGURES - len(figures))
     tokens = strategy_token_view(trace.strategy, trace.events, selected)

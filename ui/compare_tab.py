@@ -38,6 +38,9 @@ NUMERICS_NOTE = (
 DEFAULT_COMPARED = [name for name in ("greedy", "speculative", "sample") if name in REGISTRY][:3]
 
 
+COLUMN_PLOT_PX = 240  # plot width of one of four columns on a 1400 px page
+
+
 def _requests(names: list[str], prompt: str, seed, max_new_tokens, options: dict) -> list:
     names = list(dict.fromkeys(names or []))
     if not 2 <= len(names) <= MAX_COMPARED:
@@ -47,7 +50,7 @@ def _requests(names: list[str], prompt: str, seed, max_new_tokens, options: dict
 
 
 def _column(trace: Trace, status: str = "") -> list:
-    tokens, main, _stats, _text, *_details = view_updates(trace, status)
+    tokens, main, _stats, _text, *_details = view_updates(trace, status, width_px=COLUMN_PLOT_PX)
     return [f"#### {trace.strategy}", tokens, stats_line(trace, status), main]
 
 
