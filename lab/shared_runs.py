@@ -7,8 +7,9 @@ running or waiting joins that job (one run, every asker gets all its events from
 finished recently is answered from the recorded events (a bounded LRU of finished runs). `follow` streams a
 job's events to one asker and, while it waits, `Waiting` updates with its place in line and an estimated wait
 (the expected time of the job running now and of the jobs ahead: max_new_tokens over the tokens/s of recent
-runs). A job whose askers all leave (Stop, a closed tab) is cancelled, and the generator of a running one is
-closed so the strategy frees its caches. `MODEL_LOCK` is held during a run so other model work (Measure) waits.
+runs). A job whose askers all leave (their generator closed, or none of them reading for STALE_S: a cancelled
+handler that was not closed) is cancelled, and the generator of a running one is closed so the strategy frees its
+caches. `RunHub.model_lock` is held during a run so other model work (Measure) waits.
 At most `max_waiting` distinct jobs may wait; beyond that `submit` raises `QueueFull` with the line's length
 and expected wait (joining an existing job is always allowed: it costs nothing).
 Not covered: persistence across restarts, per-user fairness beyond FIFO, several model lanes (one device).
@@ -16,6 +17,7 @@ Not covered: persistence across restarts, per-user fairness beyond FIFO, several
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import threading
@@ -30,6 +32,7 @@ CACHE_SIZE = 64
 START_TOKENS_PER_S = 20.0  # first estimate of the lane's speed, replaced by measured runs
 OVERHEAD_S = 1.0  # per run: encode, prefill, first render
 WAIT_POLL_S = 0.5
+STALE_S = 5.0  # a job nobody has read from for this long has no asker left (askers read at least every poll)
 _ids = itertools.count(1)
 
 
@@ -62,6 +65,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     shared: bool = False  # served to an asker who did not start it (joined or answered from the cache)
     status: str = ""  # why it ended early ("stopped at the ... s limit"), "" otherwise
+    last_pull: float = field(default_factory=time.monotonic)  # when an asker last read from it
 
 
 def request_key(request, prefix: tuple[int, ...] = (), forced: str = "") -> str:
@@ -70,6 +74,11 @@ def request_key(request, prefix: tuple[int, ...] = (), forced: str = "") -> str:
     parts = [request.model, request.device, request.dtype, request.strategy.name, params, request.prompt]
     parts += [request.chat, request.seed, list(prefix), forced]
     return json.dumps(parts, sort_keys=True, default=str)
+
+
+def key_digest(key: str) -> str:
+    """A short, stable name of a request key (the server log names runs by it)."""
+    return hashlib.sha1(key.encode("utf-8")).hexdigest()[:12]
 
 
 class RunHub:
@@ -107,6 +116,7 @@ class RunHub:
                 if job.done:
                     self._finished.move_to_end(key)
                 job.askers += 1
+                job.last_pull = time.monotonic()
                 job.shared = True
                 self.shared_answers += 1
                 return job
@@ -131,6 +141,7 @@ class RunHub:
         cursor = 0
         try:
             while True:
+                job.last_pull = time.monotonic()
                 with self._cond:
                     if cursor == len(job.events) and not job.done:
                         self._cond.wait(poll_s)
@@ -192,6 +203,12 @@ class RunHub:
 
     # --- the worker ---------------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _abandoned(job: Job) -> bool:
+        """No asker has read from the job for STALE_S: their handlers were cancelled (a client's cancel, Stop)
+        without closing their generators, so nobody is left to show it to."""
+        return time.monotonic() - job.last_pull > STALE_S
+
     def _ensure_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
             self._worker = threading.Thread(target=self._work, daemon=True, name="model-lane")
@@ -203,11 +220,17 @@ class RunHub:
                 while not self._pending:
                     self._cond.wait()
                 job = self._pending.pop(0)
+                if self._abandoned(job):  # every asker went away without a word (a killed client)
+                    job.cancelled.set()
+                    self._active.pop(job.key, None)
+                    job.done = True
+                    self._cond.notify_all()
+                    continue
                 job.started = time.monotonic()
                 self._running = job
                 self.runs_started += 1
                 self._cond.notify_all()
-            print(f"[decoding-lab] run {job.id} started ({job.askers} asking)", flush=True)
+            print(f"[decoding-lab] run {job.id} started ({job.askers} asking) key={key_digest(job.key)}", flush=True)
             with self.model_lock:
                 self._run(job)
 
@@ -221,7 +244,8 @@ class RunHub:
                 with self._cond:
                     job.events.append(event)
                     self._cond.notify_all()
-                if job.cancelled.is_set():
+                if job.cancelled.is_set() or self._abandoned(job):
+                    job.cancelled.set()
                     break
                 if time.monotonic() - (job.started or 0.0) > self.max_run_s:
                     job.status = f"stopped at the {self.max_run_s:.0f} s limit"

@@ -97,7 +97,9 @@ def main() -> None:
         row = measure(mode, args)
         print(json.dumps(row), flush=True)
         rows.append(row)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"\ngreedy, {args.tokens} tokens, median of {args.repeat}, {args.neighbours} neighbours `{NEIGHBOUR}`")
+    print(f"load average at the end (1, 5, 15 min): {load}")
     print("| mode | threads alone / beside | alone tok/s | beside tok/s | beside / alone |\n|---|---|---|---|---|")
     for r in rows:
         t = f"{r['alone'][0]['threads']} / {r['beside'][0]['threads']}"

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from lab import threads
+from lab import shared_runs, threads
 from lab.branching import BranchError, branch_point, branch_record
 from lab.pacing import STEP, PaceControl, Pacer, token_cuts
 from lab.replay import token_count, trace_at_token
@@ -108,6 +108,18 @@ def test_a_run_everyone_left_is_cancelled_and_errors_reach_every_asker():
     with pytest.raises(ValueError, match="no such model"):
         collect(hub, failing)
     assert hub.submit("bad", broken, 4) is not failing  # failures are not cached
+
+
+def test_a_run_whose_askers_stopped_reading_is_cancelled(monkeypatch):
+    monkeypatch.setattr(shared_runs, "STALE_S", 0.3)
+    hub = RunHub(max_waiting=2)
+    job = hub.submit("abandoned", slow_events(1000, delay=0.01), 1000)
+    follow = hub.follow(job, poll_s=0.02)
+    next(follow)  # read once, then never again and never closed (a cancelled handler)
+    deadline = time.monotonic() + 10
+    while not job.done and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert job.done and job.cancelled.is_set() and len(job.events) < 1000
 
 
 def test_pacer_releases_tokens_at_the_pace_and_steps_on_click():

@@ -91,7 +91,8 @@ gpu_events = gpu_function(model_events, duration=MAX_RUN_SECONDS)
 def open_job(request: RunRequest, point: BranchPoint | None = None) -> Job:
     """Join the shared model lane: the run of an identical request (running, waiting or recently finished) or a new
     one; a full line becomes a clear gr.Error."""
-    key = request_key(request, point.prefix_ids if point else (), repr(point and (point.forced_id, point.forced_text)))
+    forced = repr((point.forced_id, point.forced_text)) if point else ""
+    key = request_key(request, point.prefix_ids if point else (), forced)
     try:
         return HUB.submit(key, lambda: gpu_events(request, point), request.params.max_new_tokens)
     except QueueFull as error:
@@ -307,8 +308,8 @@ def build_inspector(prefix: str, open_: bool = False) -> dict:
             gamma = gr.Slider(
                 0.0, 5.0, value=1.5, step=0.1, label="gamma", visible=False, elem_id=f"{prefix}inspect-gamma"
             )
+        plot = gr.Plot(label="Step detail (full width)", elem_id=f"{prefix}inspect-plot")
         with gr.Row():
-            plot = gr.Plot(label="Step detail", elem_id=f"{prefix}inspect-plot")
             table = gr.Dataframe(
                 headers=ALTERNATIVE_HEADERS, label="Top-k alternatives", elem_id=f"{prefix}alternatives"
             )
