@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
+import httpx
 import pytest
 from gradio_client import Client
 
@@ -136,7 +138,8 @@ def test_a_full_queue_is_refused_with_a_clear_message():
         same = submit(client, prompt="Name one fruit.", max_new_tokens=2)  # identical: joins the waiting run
         time.sleep(1.0)
         assert any("#1 in line" in str(update[2]) for update in waiting.outputs()), waiting.outputs()
-        running.cancel()
+        with contextlib.suppress(httpx.TimeoutException):  # a busy server may answer the cancel late; it still acts
+            running.cancel()
         assert waiting.result(timeout=300)[3] == same.result(timeout=300)[3] is not None
     finally:
         demo.close()

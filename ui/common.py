@@ -17,13 +17,13 @@ import gradio as gr
 from lab import threads
 from lab.branching import BranchError, BranchPoint, branch_record
 from lab.models import EMBEDDED_MODEL, ModelLoadError
-from lab.pacing import STEP, PaceControl, Pacer, PaceRegistry
+from lab.pacing import REALTIME, STEP, PaceControl, Pacer, PaceRegistry
 from lab.params import DecodeParams, InputError
 from lab.runner import new_trace, stream_request
 from lab.shared_runs import Job, QueueFull, RunHub, Waiting, request_key
 from lab.trace import TokenEmitted, Trace, TraceError, from_json, summarize, to_json
 from lab.validation import RunRequest, validate_request
-from lab.zerogpu import gpu_function
+from lab.zerogpu import gpu_function, zero_gpu_enabled
 from strategies import REGISTRY, by_family
 from ui.layout import MAX_FIGURES
 from visualizers import (
@@ -62,6 +62,7 @@ MODEL_QUEUE = {"concurrency_id": "model", "concurrency_limit": 1, "time_limit": 
 # in line; Gradio admits this many at once (more wait in Gradio's own queue, which shows its position too).
 RUN_QUEUE = {"concurrency_id": "classroom", "concurrency_limit": QUEUE_MAX_SIZE + 8, "time_limit": 3 * MAX_RUN_SECONDS}
 POLL_S = 0.05
+WAITING_RENDER_S = 1.0
 HUB = RunHub(QUEUE_MAX_SIZE, MAX_RUN_SECONDS, before_run=threads.apply)
 PACE = PaceRegistry()
 # Light work (replay, inspect, learn, history) runs queued in its own unlimited group, so it never waits for the
@@ -99,12 +100,23 @@ def open_job(request: RunRequest, point: BranchPoint | None = None) -> Job:
         raise gr.Error(str(error), title="Queue full") from None
 
 
+def direct_batches(request: RunRequest, point: BranchPoint | None) -> Iterator[list]:
+    """The events of one run in the request's own thread, without the shared lane: on ZeroGPU, where the
+    spaces.GPU function must run in the handler that asked for the GPU (Gradio's queue then serialises runs)."""
+    events = gpu_events(request, point)
+    try:
+        for event in events:
+            yield [event]
+    finally:
+        events.close()
+
+
 def waiting_text(place: Waiting) -> str:
     if place.position <= 0:
         return "starting…"
     return (
         f"⏳ waiting: you are #{place.position} in line ({place.waiting} waiting), "
-        f"about {place.eta_s:.0f} s until your run starts"
+        f"about {5 * math.ceil(place.eta_s / 5):.0f} s until your run starts"
     )
 
 
@@ -126,18 +138,19 @@ def stream_trace(
     tokens released so far. Bad input or a model that cannot load becomes a gr.Error (the server keeps serving)."""
     trace = new_trace(request)
     trace.branch = branch_record(point) if point else None
-    job = open_job(request, point)
+    job = open_job(request, point) if not zero_gpu_enabled() else None
     pacer = Pacer(control) if control else None
-    follow = HUB.follow(job, POLL_S)
-    last_render, shown_len, status, done = 0.0, -1, "", False
+    follow = HUB.follow(job, POLL_S) if job else direct_batches(request, point)
+    last_render, shown_len, status, done, waiting = 0.0, -1, "", False, ""
     try:
         while True:
             item = next(follow, None)
             done = item is None
-            if isinstance(item, Waiting):
-                if time.monotonic() - last_render >= RENDER_INTERVAL_S:
-                    last_render = time.monotonic()
-                    yield trace, False, waiting_text(item), trace
+            if isinstance(item, Waiting):  # a new message when the place changes, else once a second
+                text = waiting_text(item)
+                if text != waiting or time.monotonic() - last_render >= WAITING_RENDER_S:
+                    last_render, waiting = time.monotonic(), text
+                    yield trace, False, text, trace
                 continue
             trace.events.extend(item or [])
             now = time.monotonic()
@@ -150,7 +163,8 @@ def stream_trace(
                 break
             if done:
                 time.sleep(POLL_S)
-            if visible != shown_len and now - last_render >= RENDER_INTERVAL_S or (pacer and visible != shown_len):
+            paced = pacer is not None and pacer.control.snapshot()[0] != REALTIME  # render every release
+            if visible != shown_len and (paced or now - last_render >= RENDER_INTERVAL_S):
                 last_render, shown_len = now, visible
                 shown = trace_prefix(trace, visible)
                 yield shown, False, pace_text(pacer, shown.events, trace.events, done), trace
@@ -158,7 +172,7 @@ def stream_trace(
         raise gr.Error(str(error)) from None
     finally:
         follow.close()
-    status = status or job.status
+    status = status or (job.status if job else "")
     visible = pacer.visible(trace.events, time.monotonic(), True) if pacer else len(trace.events)
     yield trace_prefix(trace, visible), True, status or pace_text(pacer, [], trace.events, True), trace
 

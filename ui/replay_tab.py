@@ -19,6 +19,7 @@ from ui.common import (
     wire_inspector,
 )
 from ui.layout import PRESENT_JS, build_views, step_buttons, view_list
+from visualizers import display_token
 
 
 def describe(trace: Trace, source: str) -> str:
@@ -26,8 +27,21 @@ def describe(trace: Trace, source: str) -> str:
     prompt = trace.prompt if len(trace.prompt) <= 120 else trace.prompt[:120] + "…"
     return (
         f"**{source}**: strategy `{trace.strategy}`, model `{trace.model}`, {len(trace.events)} events in "
-        f"{frames} steps.  \n*Prompt:* {prompt}"
+        f"{frames} steps.  \n*Prompt:* {prompt}" + branch_note(trace)
     )
+
+
+def branch_note(trace: Trace) -> str:
+    """Where a branch trace left its parent run (an optional trace field; older traces have none)."""
+    branch = trace.branch or {}
+    if not branch:
+        return ""
+    at = branch.get("at_token")
+    replaced, forced = (
+        display_token(str(branch.get("replaced_text", ""))),
+        display_token(str(branch.get("forced_text", ""))),
+    )
+    return f"  \n*Branched* at token {at + 1 if isinstance(at, int) else '?'} of its parent run: {replaced} → {forced}"
 
 
 def frame_outputs(trace: Trace, frame: int) -> list:
