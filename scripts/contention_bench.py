@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -54,17 +55,22 @@ def worker(tokens: int, policy: bool) -> None:
 def measure(mode: str, args: argparse.Namespace) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     command = [sys.executable, __file__, "--worker", mode, "--tokens", str(args.tokens)]
-    proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert json.loads(proc.stdout.readline()).get("ready"), "worker failed to start"
+    proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
 
     def runs(n: int) -> list[dict]:
         out = []
         for _ in range(n):
             proc.stdin.write("run\n")
             proc.stdin.flush()
+            ready, _, _ = select.select([proc.stdout], [], [], args.timeout)
+            if not ready:  # slower than `timeout`: record it as at most tokens / timeout
+                out.append({"tokens_per_s": 0.0, "threads": None, "busy": None, "timed_out": True})
+                break
             out.append(json.loads(proc.stdout.readline()))
         return out
 
+    ready, _, _ = select.select([proc.stdout], [], [], args.timeout * 4)
+    assert ready and json.loads(proc.stdout.readline()).get("ready"), "worker failed to start"
     alone = runs(args.repeat)
     neighbours = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) for _ in range(args.neighbours)]
     try:
@@ -74,11 +80,18 @@ def measure(mode: str, args: argparse.Namespace) -> dict:
         for n in neighbours:
             n.kill()
             n.wait()
-        proc.stdin.close()
+        proc.kill()
         proc.wait(timeout=60)
     a = statistics.median(r["tokens_per_s"] for r in alone)
     b = statistics.median(r["tokens_per_s"] for r in beside)
-    return {"mode": mode, "alone": alone, "beside": beside, "alone_tps": a, "beside_tps": b, "ratio": b / a}
+    return {
+        "mode": mode,
+        "alone": alone,
+        "beside": beside,
+        "alone_tps": a,
+        "beside_tps": b,
+        "ratio": b / a if a else 0.0,
+    }
 
 
 def main() -> None:
@@ -87,6 +100,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--neighbours", type=int, default=2)
     parser.add_argument("--modes", default="before,after")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds one run may take")
     parser.add_argument("--worker", choices=["before", "after"])
     args = parser.parse_args()
     if args.worker:
@@ -102,7 +116,7 @@ def main() -> None:
     print(f"load average at the end (1, 5, 15 min): {load}")
     print("| mode | threads alone / beside | alone tok/s | beside tok/s | beside / alone |\n|---|---|---|---|---|")
     for r in rows:
-        t = f"{r['alone'][0]['threads']} / {r['beside'][0]['threads']}"
+        t = f"{r['alone'][0].get('threads')} / {r['beside'][0].get('threads')}"
         print(f"| {r['mode']} | {t} | {r['alone_tps']:.1f} | {r['beside_tps']:.1f} | {r['ratio']:.0%} |")
 
 

@@ -32,7 +32,7 @@ from visualizers.treeview import TreeLayout, apply_frame
 from visualizers.view import StrategyView
 
 PLACEHOLDER = "No EAGLE rounds yet"
-SLIDER_MARGIN = 140  # px under the tree: axis title, the phase slider, the legend
+SLIDER_MARGIN = 200  # px under the tree: axis title, the phase slider and its labels, the legend
 BINS = 10
 CUT = "cut by rerank"
 VERIFIED = "verified, not accepted"
@@ -209,7 +209,7 @@ def growth_figure(events: list[Event], step: int | None = None, width: float | N
         sliders=[
             {"active": len(phases) - 1, "steps": slider_steps, "y": -40 / plot_h, "currentvalue": {"prefix": "show: "}}
         ],
-        legend={"y": -110 / plot_h},
+        legend={"y": -150 / plot_h},
     )
     fig.update_xaxes(title="depth (0 = committed root)", dtick=1)
     return fig

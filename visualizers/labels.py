@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from visualizers.style import ZWNJ, distinct_labels
 
-NARROW_PLOT_PX = 380  # plot-area width of a main figure beside the token view at 1280 px (margins excluded)
+NARROW_PLOT_PX = 420  # plot-area width of a main figure beside the token view at 1280 px (margins excluded)
 WIDE_PLOT_PX = 900  # the inspector's full-width figures
 LABEL_FONT = 11
 ROW_PX = 24  # vertical room per leaf of a tree: an 11 px label plus a gap

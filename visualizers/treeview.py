@@ -80,7 +80,7 @@ class TreeLayout:
         return PlotBox(width, plot_h, self.x_range(extra_x), (min(ys) - 0.6, max(ys) + 0.6))
 
     def x_range(self, extra_x: float = 1.0) -> tuple[float, float]:
-        return self.x["root"] - X_PAD, self.max_x + extra_x + 1.2
+        return self.x["root"] - X_PAD, self.max_x + extra_x + 0.9  # room for the last level's labels
 
     def labels(self, keys: list, texts: list[str], priority: list[float], extra_x: float = 1.0, width=None) -> dict:
         """{key: label or ""} for the given node keys, fitted at the assumed plot width: right of each node and no

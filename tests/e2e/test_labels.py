@@ -35,7 +35,7 @@ def overlaps(boxes: list[dict]) -> list[tuple[str, str]]:
 def open_example(page, name: str) -> None:
     ui.tab(page, "Replay")
     ui.choose(page, "replay-example", name)
-    ui.wait_until(lambda: f"strategy `{name}`" in page.locator("#replay-status").inner_text(), name, 60, page)
+    ui.wait_until(lambda: f"strategy {name}," in page.locator("#replay-status").inner_text(), name, 60, page)
 
     def drawn():
         figure = ui.plot_data(page, "replay-main-plot")
