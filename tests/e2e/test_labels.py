@@ -34,8 +34,14 @@ def overlaps(boxes: list[dict]) -> list[tuple[str, str]]:
 
 def open_example(page, name: str) -> None:
     ui.tab(page, "Replay")
-    ui.choose(page, "replay-example", name)
-    ui.wait_until(lambda: f"strategy {name}," in page.locator("#replay-status").inner_text(), name, 60, page)
+    for attempt in range(3):  # a pick made while the option list re-renders can be lost: pick again
+        ui.choose(page, "replay-example", name)
+        try:
+            ui.wait_until(lambda: f"strategy {name}," in page.locator("#replay-status").inner_text(), name, 30, page)
+            break
+        except AssertionError:
+            if attempt == 2:
+                raise
 
     def drawn():
         figure = ui.plot_data(page, "replay-main-plot")
