@@ -142,8 +142,9 @@ def build_replay_tab() -> dict:
     example.input(on_example, [example], loaded, **LIGHT)
     open_run.click(on_history, [records_state, records], loaded, **LIGHT)
     slider.release(on_seek, [state, slider], view_list(views), **LIGHT)
-    back.click(lambda v, f: on_step(v, f, -1), [state, slider], [slider, *view_list(views)], **LIGHT)
-    nxt.click(lambda v, f: on_step(v, f, 1), [state, slider], [slider, *view_list(views)], **LIGHT)
+    steps = {**LIGHT, "concurrency_id": "replay-step", "concurrency_limit": 1}  # presses in order
+    back.click(lambda v, f: on_step(v, f, -1), [state, slider], [slider, *view_list(views)], **steps)
+    nxt.click(lambda v, f: on_step(v, f, 1), [state, slider], [slider, *view_list(views)], **steps)
     present.click(None, None, None, js=PRESENT_JS)
     play.click(on_play, [state, slider], [timer, slider], **LIGHT)
     pause.click(lambda: gr.Timer(active=False), None, [timer], **LIGHT)

@@ -282,5 +282,6 @@ def wire_stepping(ui: dict, views: dict) -> None:
     def forward(request: gr.Request, state: dict | None):
         return step(request, state, 1)
 
-    ui["back"].click(back, [ui["state"]], outputs, **LIGHT)
-    ui["next"].click(forward, [ui["state"]], outputs, **LIGHT)
+    steps = {**LIGHT, "concurrency_id": "step", "concurrency_limit": 1}  # two quick presses must not both read
+    ui["back"].click(back, [ui["state"]], outputs, **steps)  # the same position
+    ui["next"].click(forward, [ui["state"]], outputs, **steps)
