@@ -50,7 +50,7 @@ bench: $(INSTALLED)
 gpu-check: $(DEV_INSTALLED)
 	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		$(PY) -c "import torch; print('gpu-check on', torch.cuda.get_device_name(0), '| torch', torch.__version__)" && \
-		DECODING_LAB_TEST_DEVICE=cuda $(PY) -m pytest -q -m gpu tests/test_gpu.py && \
+		DECODING_LAB_TEST_DEVICE=cuda $(PY) -m pytest -q -m gpu tests/test_gpu.py tests/test_published_gpu.py && \
 		$(PY) -m lab bench --device cuda --strategies greedy,speculative --limit 4 --max-new-tokens 64; \
 	else \
 		$(PY) -c "import torch; print(f'gpu-check: no CUDA GPU visible to torch {torch.__version__}', \

@@ -6,7 +6,8 @@ back to English), `learn_markdown(name, lang)` (the rendered entry, the formula 
 latex_delimiters) and `matrix_cells(name, lang)` (problem solved, core operation, when to use it: the Measure
 tab's selection matrix). Entries exist for the 12 planned strategies; the app lists only registered ones, so
 a strategy that lands later appears with its text at once. A registered strategy without an entry gets its
-registry summary and paper. Not covered: other languages (add docs/learn/<lang>.toml and a LANGUAGES entry).
+registry summary and paper. `models_markdown()` is docs/models.md (strategies by model family, head formats),
+shown in English only. Not covered: other languages (add docs/learn/<lang>.toml and a LANGUAGES entry).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import tomllib
 
 LEARN_DIR = Path(__file__).resolve().parent.parent / "docs" / "learn"
+MODELS_DOC = LEARN_DIR.parent / "models.md"
 LANGUAGES = {"English": "en", "中文": "zh"}
 FIELDS = ("title", "idea", "formula", "symbols", "paper", "url", "watch", "problem", "operation", "when")
 HEADINGS = {
@@ -95,3 +97,9 @@ def matrix_cells(name: str, lang: str = "en") -> tuple[str, str, str]:
 def matrix_headings(lang: str = "en") -> tuple[str, str, str]:
     heads = HEADINGS[_code(lang)]
     return heads["problem"], heads["operation"], heads["when"]
+
+
+@cache
+def models_markdown() -> str:
+    """docs/models.md: which strategies work on which model families, and the published head formats."""
+    return MODELS_DOC.read_text(encoding="utf-8") if MODELS_DOC.is_file() else "docs/models.md is missing."

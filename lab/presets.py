@@ -4,16 +4,46 @@ Covered: `presets_for(name, params_cls)` returns "defaults" (the Params defaults
 including ones that land later, has at least one preset) followed by the curated sets below that the strategy's
 Params accepts (a set naming a parameter the strategy does not declare is left out, so a renamed field never
 breaks the UI; tests/test_app_logic.py checks that every curated set of a registered strategy validates).
-`preset_values` gives the full parameter dict of one preset. Not covered: user-saved presets.
+`preset_values` gives the full parameter dict of one preset. `MODELS` is the Run tab's model picker and
+`DRAFT_PAIRS` the known same-tokenizer (draft -> targets) pairs for vanilla SD and SSD, offered as
+"draft model: ..." presets; a drafter whose tokenizer differs from the target's is still refused at run time
+(`lab.proposers.check_same_tokenizer`). Not covered: user-saved presets.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from lab.models import EMBEDDED_MODEL
 from lab.params import build_params, param_specs
 
 DEFAULTS = "defaults"
+
+# draft model -> the targets it drafts for (same tokenizer: same vocabulary, special ids and encodings)
+DRAFT_PAIRS: dict[str, tuple[str, ...]] = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": (
+        "HuggingFaceTB/SmolLM2-360M-Instruct",
+        "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+    ),
+    "Qwen/Qwen2.5-0.5B-Instruct": ("Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-7B-Instruct"),
+    "meta-llama/Llama-3.2-1B-Instruct": ("meta-llama/Llama-3.1-8B-Instruct",),
+}
+MODELS: list[str] = [EMBEDDED_MODEL] + [m for draft, targets in DRAFT_PAIRS.items() for m in (draft, *targets)]
+
+
+def _short(spec: str) -> str:
+    return spec.split("/")[-1].removesuffix("-Instruct")
+
+
+def draft_presets(gamma: int) -> dict[str, dict[str, Any]]:
+    """One "draft model: D (targets T1 / T2)" preset per known pair."""
+    return {
+        f"draft model: {_short(d)} (for {' / '.join(_short(t) for t in targets)})": {
+            "drafter": "model", "draft_model": d, "gamma": gamma,
+        }
+        for d, targets in DRAFT_PAIRS.items()
+    }  # fmt: skip
+
 
 CURATED: dict[str, dict[str, dict[str, Any]]] = {
     "sample": {
@@ -43,10 +73,12 @@ CURATED: dict[str, dict[str, dict[str, Any]]] = {
         "self-draft, 8 layers": {"drafter": "self-draft", "draft_layers": 8, "gamma": 4},
         "adaptive gamma": {"drafter": "prompt-lookup", "adaptive": True, "gamma": 4, "gamma_max": 12},
         "sampling T=0.8 (lossless)": {"temperature": 0.8},
+        **draft_presets(gamma=5),
     },
     "ssd": {
         "self-draft, fan-out 3": {"drafter": "self-draft", "gamma": 4, "fanout": 3},
         "self-draft, fan-out 1": {"drafter": "self-draft", "gamma": 4, "fanout": 1},
+        **draft_presets(gamma=4),
     },
     "tot": {
         "BFS (Alg. 1)": {"search": "bfs"},

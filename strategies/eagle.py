@@ -38,8 +38,11 @@ from dataclasses import dataclass, field
 import torch
 
 from lab import runtime
+from lab.heads import published_build
 from lab.heads.common import load_heads
 from lab.heads.eagle import KIND, EagleCache, EagleHead, build_head
+from lab.heads.eagle3 import Eagle3Head, target_features
+from lab.heads.published import is_lab_stem
 from lab.models import LoadedModel
 from lab.params import DecodeParams, param
 from lab.profile import section
@@ -63,7 +66,9 @@ class EagleParams(DecodeParams):
     branch: int = param(8, low=1, high=16, help="EAGLE-2's top_k: children per expanded node and frontier width.")
     temperature: float = param(1.0, low=0.05, high=2.0, help="sample: p = softmax(z / T) of the target.")
     top_p: float = param(1.0, low=0.05, high=1.0, help="sample: nucleus on p (1 = off).")
-    heads_path: str = param("", help="Trained EAGLE head file or stem (empty = the head shipped for this model).")
+    heads_path: str = param(
+        "", help="Lab head file/stem, or a published EAGLE / EAGLE-3 folder or Hub id (empty = shipped head)."
+    )
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -168,8 +173,10 @@ class EagleDrafter:
         return grow_tree(first, expand, self.head.vocab, self.params.branch, depth, self.eos)
 
 
-def cached_head(loaded: LoadedModel, path: str) -> EagleHead:
-    """The trained head for this model (shipped or `path`), loaded once per model, dtype and path."""
+def cached_head(loaded: LoadedModel, path: str) -> EagleHead | Eagle3Head:
+    """The trained head for this model (shipped, a lab file, or a published folder / Hub id), loaded once."""
+    if path and not is_lab_stem(path):  # a published SafeAILab / speculators head (lab.heads.published)
+        return published_build.cached("eagle", loaded, path)
     key = (loaded.spec, id(loaded.model), str(loaded.dtype), path)
     if key not in _HEADS:
         if len(_HEADS) >= 4:
@@ -227,7 +234,11 @@ def tree_inputs(root: int, c: Candidates, kept: list[int]) -> tuple[list[int], l
 
 
 def decode_loop(
-    loaded: LoadedModel, prompt_ids: list[int], params: EagleParams, head: EagleHead, generator: torch.Generator
+    loaded: LoadedModel,
+    prompt_ids: list[int],
+    params: EagleParams,
+    head: EagleHead | Eagle3Head,
+    generator: torch.Generator,
 ) -> Iterator[Event]:
     """EAGLE-2 rounds until EOS or the budget (module docstring, steps 1-6)."""
     out, config, greedy = Emitter(loaded, params.max_new_tokens), params.sampling, params.mode == "greedy"
@@ -237,7 +248,10 @@ def decode_loop(
         processed = process_logits(first.logits[-1:], config, [])  # [1, V]
         root = choose_token(processed[0], config, generator)
         yield from out.emit(0, [root], ["target"], processed)
-        pending = (first.hidden_states[-1][-1:], [root], len(prompt_ids) - 1)  # real pairs (f_p, x_{p+1}), first p
+        features = target_features(head, first.hidden_states)  # [n, F]
+        pending = (features[-1:], [root], len(prompt_ids) - 1)  # real pairs (f_p, x_{p+1}), first p
+        if getattr(head, "reads_prompt", False):  # published heads: the whole prompt, as their references do
+            pending = (features, list(prompt_ids[1:]) + [root], 0)
         step = 1
         while out.stop_reason is None:
             t0, forwards = time.perf_counter(), drafter.forwards
@@ -257,7 +271,7 @@ def decode_loop(
             with section("accept"):
                 result = accept_tree(full[0], full[1], scores, generator, greedy)
             runtime.select(state, list(range(n_past)) + [n_past + i for i in result.path])  # 5. compact
-            pending = (v.hidden_states[-1][result.path], result.tokens, n_past)
+            pending = (target_features(head, v.hidden_states)[result.path], result.tokens, n_past)
             times = (t1 - t0, time.perf_counter() - t1)
             sources = ["accepted"] * (len(result.path) - 1) + [result.source]
             before = len(out.generated)

@@ -35,8 +35,10 @@ from typing import Protocol
 import torch
 
 from lab import runtime
+from lab.heads import published_build
 from lab.heads.common import load_heads
 from lab.heads.medusa import DraftTree, MedusaHeads, head_top, prune_choices, tree_from_choices
+from lab.heads.published import is_lab_stem
 from lab.models import LoadedModel
 from lab.params import DecodeParams, param
 from lab.profile import section
@@ -64,7 +66,9 @@ class TreeParams(DecodeParams):
     delta: float = param(
         0.3, low=0.0, high=1.0, help="typical: entropy-scaled threshold delta in min(eps, delta e^-H)."
     )
-    heads_path: str = param("", help="Trained heads file or stem (empty = the heads shipped for this model).")
+    heads_path: str = param(
+        "", help="Lab heads file/stem; Medusa also a FasterDecoding folder or Hub id (empty = shipped heads)."
+    )
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -236,9 +240,12 @@ def tree_decode_loop(
 
 
 def run(loaded: LoadedModel, prompt_ids: list[int], params: TreeParams, generator: torch.Generator) -> Iterator[Event]:
-    heads = cached_heads(
-        "medusa", loaded, params.heads_path, lambda t, c: MedusaHeads.from_tensors(loaded.lm_head.weight, t, c)
-    )
+    if params.heads_path and not is_lab_stem(params.heads_path):  # FasterDecoding's layout (lab.heads.published)
+        heads = published_build.cached("medusa", loaded, params.heads_path)
+    else:
+        heads = cached_heads(
+            "medusa", loaded, params.heads_path, lambda t, c: MedusaHeads.from_tensors(loaded.lm_head.weight, t, c)
+        )
     drafter = MedusaDrafter(heads, params.tree_nodes, loaded.eos_token_ids)
     return tree_decode_loop(loaded, prompt_ids, params, drafter, generator)
 

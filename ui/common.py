@@ -14,8 +14,9 @@ from pathlib import Path
 
 import gradio as gr
 
-from lab.models import EMBEDDED_MODEL, ModelLoadError
+from lab.models import ModelLoadError
 from lab.params import DecodeParams, InputError
+from lab.presets import MODELS
 from lab.runner import new_trace, prepare, stream_run
 from lab.trace import Trace, TraceError, from_json, summarize, to_json
 from lab.validation import RunRequest, validate_request
@@ -39,13 +40,7 @@ STATE_TTL_S = 3600
 MAX_PARAMS_JSON_CHARS = 10_000
 MAX_UPLOAD = "10mb"
 REPLAY_TICK_S = 0.4
-MODEL_CHOICES = [
-    EMBEDDED_MODEL,
-    "HuggingFaceTB/SmolLM2-360M-Instruct",
-    "HuggingFaceTB/SmolLM2-1.7B-Instruct",
-    "Qwen/Qwen2.5-0.5B-Instruct",
-    "Qwen/Qwen2.5-1.5B-Instruct",
-]
+MODEL_CHOICES = MODELS  # lab.presets: the embedded model and the known draft / target pairs
 TRACE_DIR = Path(tempfile.gettempdir()) / "decoding-lab-traces"
 MAX_TRACE_FILES = 200
 COMMON_DEFAULTS = DecodeParams()

@@ -23,4 +23,6 @@ def build_learn_tab() -> gr.Radio:
         strategy = gr.Dropdown(strategy_choices(), value="greedy", label="Strategy", elem_id="learn-strategy")
     text = gr.Markdown(learn_text("greedy", "English"), latex_delimiters=LATEX, elem_id="learn-text")
     gr.on([language.change, strategy.change], learn_text, [strategy, language], [text], **LIGHT)
+    with gr.Accordion("Which strategies work on which models (docs/models.md)", open=False):
+        gr.Markdown(learn.models_markdown(), elem_id="learn-models")
     return language
