@@ -47,12 +47,32 @@ def _layers(text: str, num_layers: int) -> tuple[int, ...]:
     return layers
 
 
+def check_overlap(folder: Path) -> dict:
+    """Overlap check of a data folder: its prompts (the Magpie chunks' kept prompts, else the hand-written set)
+    against the benchmark prompts; printed as JSON by `lab distill --check-overlap`."""
+    import json
+
+    from lab.distill.prompt_filter import overlap_report
+    from lab.distill.prompts import distill_prompts
+    from lab.prompts import BUILTIN_PROMPTS
+
+    chunks = sorted((folder / "prompts").glob("chunk_*.json"))
+    prompts = [t for c in chunks for t in json.loads(c.read_text())] or [t for _, t in distill_prompts()]
+    return {"folder": str(folder), **overlap_report(prompts, [p.text for p in BUILTIN_PROMPTS])}
+
+
 def cmd_distill(args: argparse.Namespace) -> int:
     from lab.cli import _int_option
     from lab.heads.common import model_slug
     from lab.models import load_model
     from lab.validation import validate_seed
 
+    if args.check_overlap:
+        import json
+
+        report = check_overlap(Path(args.out or DEFAULT_OUT.format(slug=model_slug(args.model))))
+        print(json.dumps(report, indent=2))
+        return 1 if report["near_benchmark"] else 0
     limit = _int_option("--limit", args.limit)
     settings = DistillSettings(
         model=args.model,
@@ -81,6 +101,7 @@ def register(commands, evaluations, add_model_options) -> None:
     parser = commands.add_parser("distill", help="make self-distillation data for training draft heads (resumable)")
     parser.add_argument("--out", default=None, help="output folder (default data/distill/<model name>)")
     parser.add_argument("--limit", default=None, help="use only the first K prompts of the 336")
+    parser.add_argument("--check-overlap", action="store_true", help="only check --out's prompts against the bench")
     parser.add_argument("--prompts", default="handwritten", choices=("handwritten", "magpie"), help="prompt source")
     parser.add_argument("--magpie-chunks", default=None, help="Magpie: chunks of 64 model-written prompts (= shards)")
     parser.add_argument("--layers", default="none", help="extra features: none, eagle3 (2, L/2, L-3) or 2,15,27")

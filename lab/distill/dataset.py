@@ -52,8 +52,12 @@ class DistillData:
         return r[keep], r[keep] + offset
 
     def held_out(self, every: int = HELD_OUT_EVERY) -> torch.Tensor:
-        """[N] bool: rows whose prompt key is 0 mod `every` (a split by prompt, the same in every folder)."""
-        return self.prompt % every == 0
+        """[N] bool: rows whose prompt key is 0 mod `every` (a split by prompt, the same in every folder); when no
+        key is, but there are several prompts, the prompt with the smallest key (small sets keep a held-out set)."""
+        held = self.prompt % every == 0
+        if not bool(held.any()) and self.rows and bool((self.prompt != self.prompt[0]).any()):
+            held = self.prompt == self.prompt.min()
+        return held
 
     def token_frequencies(self, vocab_size: int) -> torch.Tensor:
         """How often each token id appears as a response token (for frequency-ranked draft vocabularies)."""

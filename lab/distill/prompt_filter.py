@@ -124,3 +124,9 @@ class PromptPool:
             self.index.add(text)
             kept.append(text)
         return kept
+
+
+def overlap_report(prompts: list[str], bench: list[str]) -> dict:
+    """The data's prompt counts and every prompt near a benchmark prompt (`near_benchmark`), for the overlap check."""
+    near = [text for text in prompts if near_benchmark(text, bench)]
+    return {"prompts": len(prompts), "distinct": len({normalise(t) for t in prompts}), "near_benchmark": near}
