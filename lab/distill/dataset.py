@@ -4,20 +4,28 @@
 position p of one sequence with h_p (`hidden[r]`), the token that followed (`next_token[r]` = x_{p+1}) and the
 model's top-k next-token distribution (`topk_ids[r]`, `topk_probs[r]`). `sequence[r]` and `position[r]` locate
 the row; rows of one sequence are contiguous and in order, so row r + k is position p + k of the same sequence
-iff `sequence[r + k] == sequence[r]` (see `future_rows`). Not covered: streaming data larger than memory.
+iff `sequence[r + k] == sequence[r]` (see `future_rows`). `prompt[r]` is a stable key of the sequence's prompt
+(CRC-32 of its token ids), so `held_out()` splits by prompt: every response to a held-out prompt is held out,
+in every folder. Shards may also store features hidden_states[l] (`hidden.<l>`, for EAGLE-3); they are read only
+when asked for (`layers`), into `features[l]` (fp16). Shards made before these existed read the same way.
+Not covered: streaming data larger than memory.
 """
 
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from lab.params import InputError
+
+HELD_OUT_EVERY = 20
+BASE_KEYS = ("hidden", "topk_ids", "topk_probs")
 
 
 @dataclass(frozen=True)
@@ -30,6 +38,8 @@ class DistillData:
     token: torch.Tensor  # [N] int64, x_p (the input token at position p)
     sequence: torch.Tensor  # [N] int64
     position: torch.Tensor  # [N] int64
+    prompt: torch.Tensor  # [N] int64, CRC-32 of the sequence's prompt token ids
+    features: dict[int, torch.Tensor] = field(default_factory=dict)  # l -> [N, H] float16, hidden_states[l]
 
     @property
     def rows(self) -> int:
@@ -41,6 +51,14 @@ class DistillData:
         keep = self.sequence[r] == self.sequence[r + offset]
         return r[keep], r[keep] + offset
 
+    def held_out(self, every: int = HELD_OUT_EVERY) -> torch.Tensor:
+        """[N] bool: rows whose prompt key is 0 mod `every` (a split by prompt, the same in every folder); when no
+        key is, but there are several prompts, the prompt with the smallest key (small sets keep a held-out set)."""
+        held = self.prompt % every == 0
+        if not bool(held.any()) and self.rows and bool((self.prompt != self.prompt[0]).any()):
+            held = self.prompt == self.prompt.min()
+        return held
+
     def token_frequencies(self, vocab_size: int) -> torch.Tensor:
         """How often each token id appears as a response token (for frequency-ranked draft vocabularies)."""
         return torch.bincount(self.next_token, minlength=vocab_size)
@@ -48,7 +66,7 @@ class DistillData:
 
 def _rows_of_shard(shard: dict[str, torch.Tensor], first_sequence: int) -> dict[str, torch.Tensor]:
     tokens, offsets, prompt_lengths = shard["tokens"].long(), shard["seq_offsets"], shard["prompt_lengths"].long()
-    next_tokens, inputs, sequences, positions = [], [], [], []
+    next_tokens, inputs, sequences, positions, prompts = [], [], [], [], []
     for index in range(len(prompt_lengths)):
         sequence = tokens[offsets[index] : offsets[index + 1]]
         start = int(prompt_lengths[index]) - 1
@@ -57,17 +75,32 @@ def _rows_of_shard(shard: dict[str, torch.Tensor], first_sequence: int) -> dict[
         next_tokens.append(sequence[span + 1])
         sequences.append(torch.full_like(span, first_sequence + index))
         positions.append(span)
+        key = zlib.crc32(sequence[: start + 1].to(torch.int32).numpy().tobytes())
+        prompts.append(torch.full_like(span, key))
     return {
         "next_token": torch.cat(next_tokens),
         "token": torch.cat(inputs),
         "sequence": torch.cat(sequences),
         "position": torch.cat(positions),
+        "prompt": torch.cat(prompts),
     }
 
 
-def load_distill(folders: str | Path | Sequence[str | Path]) -> DistillData:
+def _read_shard(path: Path, layers: Sequence[int]) -> dict[str, torch.Tensor]:
+    """The keys head training uses (and `hidden.<l>` for the requested layers) of one shard file."""
+    wanted = ("tokens", "seq_offsets", "prompt_lengths", *BASE_KEYS, *(f"hidden.{layer}" for layer in layers))
+    with safe_open(str(path), framework="pt") as shard:
+        available = set(shard.keys())
+        missing = [key for key in wanted if key not in available]
+        if missing:
+            raise InputError(f"{path} has no {', '.join(missing)}; make the data with `--layers` covering them.")
+        return {key: shard.get_tensor(key) for key in wanted}
+
+
+def load_distill(folders: str | Path | Sequence[str | Path], layers: Sequence[int] = ()) -> DistillData:
     """All shards of one or more data folders, concatenated (sequence ids run on across folders); InputError
-    when a folder holds no data or the folders were made with different models or top-k.
+    when a folder holds no data, a shard lacks a requested layer, or the folders were made with different models
+    or top-k. `layers`: the features hidden_states[l] to read as well (`features`).
 
     With several folders, `config` is {"model_shape": ..., "parts": [each folder's config]}."""
     paths = [Path(folders)] if isinstance(folders, str | Path) else [Path(f) for f in folders]
@@ -84,7 +117,7 @@ def load_distill(folders: str | Path | Sequence[str | Path]) -> DistillData:
             )
         configs.append(json.loads(config_path.read_text()))
         for path in shards:
-            shard = load_file(str(path))
+            shard = _read_shard(path, layers)
             for key, value in {**_rows_of_shard(shard, sequences), **shard}.items():
                 if key not in ("tokens", "seq_offsets", "prompt_lengths"):
                     parts.setdefault(key, []).append(value)
@@ -101,6 +134,8 @@ def load_distill(folders: str | Path | Sequence[str | Path]) -> DistillData:
         token=joined["token"],
         sequence=joined["sequence"],
         position=joined["position"],
+        prompt=joined["prompt"],
+        features={layer: joined[f"hidden.{layer}"] for layer in layers},
     )
 
 

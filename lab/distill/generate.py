@@ -1,38 +1,47 @@
-"""Self-distillation data: the model's own responses to `lab.distill.prompts`, with its hidden states and top-k
-next-token distributions, stored for training draft heads (Medusa, MTPC, EAGLE) with the base model frozen.
+"""Self-distillation data: the model's own responses to a prompt set, with its hidden states and top-k next-token
+distributions, stored for training draft heads (Medusa, MTPC, EAGLE-1, EAGLE-3) with the base model frozen.
 
-Per prompt (chat template on): one greedy response (unless `greedy` is off, for a second data set that adds only
-samples) and `samples` sampled ones (temperature `temperature`, no top-k/top-p), up to `max_new_tokens`, cut
-after the first EOS (kept: heads learn to stop). Then a teacher pass over prompt + response stores, for every
-position p from the last prompt token to the one before the last token, the final hidden state h_p (after the
-final norm, the LM head's input, fp16) and the top `top_k` of softmax(z_p) (the model's next-token distribution
-at temperature 1), i.e. one row per response token.
+Prompt sources (`prompts`): "handwritten", the 336 instructions of `lab.distill.prompts` (`limit`: the first K),
+or "magpie", `magpie_chunks` chunks of user messages the model writes itself (`lab.distill.magpie`), each chunk
+filtered against the benchmark prompts, the hand-written set and every prompt kept before it; the kept prompts
+of chunk c are stored in `prompts/chunk_c.json` and answered in shard c.
+Per prompt (chat template on): one greedy response (unless `greedy` is off) and `samples` sampled ones
+(temperature `temperature`, no top-k/top-p), up to `max_new_tokens`, cut after the first EOS (kept: heads learn
+to stop). Responses come from `lab.distill.batched.decode_batch` (left-padded batch, KV cache), which stores in the
+same pass, for every position p from the last prompt token to the one before the last token (one row per response
+token): h_p = hidden_states[L] (after the final norm, fp16), the top `top_k` of softmax(z_p) (temperature 1), and
+for every l in `layers` the input of layer l, hidden_states[l] (fp16, key `hidden.<l>`; "eagle3" = 2, L // 2, L - 3).
 
-Work is split into batches of `batch_size` prompts; each batch is one shard (`shard_00012.safetensors`) written
+Work is split into shards (`shard_00012.safetensors`, `batch_size` prompts each for the hand-written set) written
 atomically, so an interrupted run resumes where it stopped. `config.json` records the settings and the model
-shape; a rerun with other settings into the same folder is refused. Sampling is seeded per batch
-(seed + batch index) through torch's global RNG, which HF `generate` draws from, so the data is reproducible on
-the same machine and software (batched CPU/GPU kernels may differ in the last bits across machines).
-Not covered: multi-turn data, datasets from the Hub (no network here), packing.
+shape; a rerun with other settings into the same folder is refused. Sampling draws from a `torch.Generator`
+seeded by seed + shard index, so the data is reproducible on the same machine and software (batched kernels may
+differ in the last bits across machines and batch sizes). Not covered: multi-turn data, datasets from the Hub
+(no network here), packing.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from lab.distill.batched import Capture, decode_batch
+from lab.distill.magpie import cached_candidates
+from lab.distill.prompt_filter import PromptPool
 from lab.distill.prompts import distill_prompts
 from lab.heads.common import model_shape
 from lab.models import LoadedModel
 from lab.params import InputError
 
 Progress = Callable[[int, int, str], None]
+PROMPT_SOURCES = ("handwritten", "magpie")
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,9 @@ class DistillSettings:
     seed: int = 0
     limit: int | None = None
     greedy: bool = True  # off: sampled responses only (more data beside a folder that has the greedy ones)
+    prompts: str = "handwritten"  # or "magpie"
+    magpie_chunks: int = 0  # Magpie chunks (= shards) to write
+    layers: tuple[int, ...] = ()  # extra hidden_states[l] stored per row (EAGLE-3: 2, L // 2, L - 3)
 
     def check(self) -> None:
         if not 1 <= self.max_new_tokens <= 4096:
@@ -62,79 +74,51 @@ class DistillSettings:
             raise InputError("--top-k and --batch-size must be between 1 and 256.")
         if self.limit is not None and self.limit < 1:
             raise InputError("--limit must be at least 1.")
+        if self.prompts not in PROMPT_SOURCES or (self.prompts == "magpie") != (self.magpie_chunks > 0):
+            raise InputError("--prompts must be handwritten or magpie, and --magpie-chunks > 0 goes with magpie.")
 
 
-def _left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, sequence in enumerate(sequences):
-        ids[row, width - len(sequence) :] = torch.tensor(sequence)
-        mask[row, width - len(sequence) :] = 1
-    return ids.to(device), mask.to(device)
+def eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """The low, middle and high features EAGLE-3 fuses: inputs of layers 2, L // 2 and L - 3 (Li et al. 2025)."""
+    return (2, num_layers // 2, num_layers - 3)
 
 
-def _cut_at_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
-    for index, token in enumerate(tokens):
-        if token in eos_ids:
-            return tokens[: index + 1]
-    return tokens
+Record = tuple[list[int], list[int], dict[str, torch.Tensor]]
 
 
-@torch.inference_mode()
-def generate_responses(
-    loaded: LoadedModel, prompts: list[list[int]], settings: DistillSettings, sampled: bool
-) -> list[list[int]]:
-    """One response per prompt with HF generate (left-padded batch), cut after the first EOS."""
-    pad_id = loaded.eos_token_ids[0]
-    ids, mask = _left_pad(prompts, pad_id, loaded.device)
-    sampling = {"do_sample": True, "temperature": settings.temperature, "top_k": 0, "top_p": 1.0}
-    out = loaded.model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=settings.max_new_tokens,
-        pad_token_id=pad_id,
-        **(sampling if sampled else {"do_sample": False}),
-    )
-    new = out[:, ids.shape[1] :].tolist()  # [B, T_new]
-    return [_cut_at_eos(row, loaded.eos_token_ids) for row in new]
+def respond(loaded: LoadedModel, encoded: list[list[int]], settings: DistillSettings, seed: int) -> list[Record]:
+    """Every response variant (greedy, then the samples) to a batch of encoded prompts, with its captured rows."""
+    generator = torch.Generator(device=loaded.device).manual_seed(seed)
+    capture = Capture(settings.top_k, settings.layers)
+    records = []
+    for variant in range(0 if settings.greedy else 1, 1 + settings.samples):
+        temperature = settings.temperature if variant > 0 else 0.0
+        decoded = decode_batch(loaded, encoded, settings.max_new_tokens, temperature, generator, capture)
+        records += [(prompt, d.response, d.tensors) for prompt, d in zip(encoded, decoded, strict=True)]
+    return records
 
 
-@torch.inference_mode()
-def teacher_pass(loaded: LoadedModel, prompt: list[int], response: list[int], top_k: int) -> dict[str, torch.Tensor]:
-    """h_p and top-k softmax(z_p) for p = len(prompt) - 1 .. len(prompt) + len(response) - 2."""
-    tokens = torch.tensor([prompt + response], device=loaded.device)  # [1, T]
-    out = loaded.model(input_ids=tokens, output_hidden_states=True)
-    start, end = len(prompt) - 1, len(prompt) + len(response) - 1
-    hidden = out.hidden_states[-1][0, start:end]  # [M, H], after the final norm
-    probs = torch.softmax(out.logits[0, start:end].float(), dim=-1)  # [M, V]
-    top = probs.topk(top_k, dim=-1)
-    return {
-        "hidden": hidden.to(torch.float16).cpu(),
-        "topk_ids": top.indices.to(torch.int32).cpu(),
-        "topk_probs": top.values.to(torch.float16).cpu(),
-    }
-
-
-def _shard_tensors(records: list[tuple[list[int], list[int], dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
-    """Concatenate one batch's sequences: tokens with offsets, prompt lengths, per-row tensors."""
+def _shard_tensors(records: list[Record]) -> dict[str, torch.Tensor]:
+    """Concatenate one shard's sequences: tokens with offsets, prompt lengths, per-row tensors."""
     tokens = [torch.tensor(prompt + response, dtype=torch.int32) for prompt, response, _ in records]
     offsets = torch.tensor([0] + [len(t) for t in tokens], dtype=torch.int64).cumsum(0)
+    rows = {name: torch.cat([r[name] for _, _, r in records]) for name in records[0][2]}
     return {
         "tokens": torch.cat(tokens),
         "seq_offsets": offsets,
         "prompt_lengths": torch.tensor([len(p) for p, _, _ in records], dtype=torch.int32),
-        "hidden": torch.cat([r["hidden"] for _, _, r in records]),
-        "topk_ids": torch.cat([r["topk_ids"] for _, _, r in records]),
-        "topk_probs": torch.cat([r["topk_probs"] for _, _, r in records]),
+        **rows,
     }
 
 
 def _check_config(out_dir: Path, config: dict) -> None:
     path = out_dir / "config.json"
+    config = json.loads(json.dumps(config))  # tuples as lists, as read back
     if path.exists():
         existing = json.loads(path.read_text())
-        existing.get("settings", {}).setdefault("greedy", True)  # folders made before the setting existed
+        defaults = {f.name: f.default for f in fields(DistillSettings) if f.name != "model"}
+        for name, value in json.loads(json.dumps(defaults)).items():  # folders made before a setting existed
+            existing.get("settings", {}).setdefault(name, value)
         if existing != config:
             raise InputError(f"{out_dir} holds data made with other settings ({existing}); choose another --out.")
     else:
@@ -142,28 +126,56 @@ def _check_config(out_dir: Path, config: dict) -> None:
         path.write_text(json.dumps(config, indent=2))
 
 
+def _save_shard(shard: Path, records: list[Record]) -> int:
+    """Write the shard atomically (an empty marker file when no prompt survived); returns its response tokens."""
+    if not records:
+        shard.with_suffix(".empty").touch()
+        return 0
+    partial = shard.with_suffix(".partial")
+    save_file(_shard_tensors(records), str(partial))
+    os.replace(partial, shard)
+    return sum(len(response) for _, response, _ in records)
+
+
+def _magpie_prompts(loaded: LoadedModel, settings: DistillSettings, out_dir: Path, pool: PromptPool, chunk: int):
+    """Chunk `chunk`'s kept prompts, stored in prompts/chunk_c.json (filtering is deterministic, so resumable)."""
+    kept = pool.select(cached_candidates(loaded, out_dir / "candidates", chunk, settings.seed))
+    path = out_dir / "prompts" / f"chunk_{chunk:05d}.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(kept, indent=0))
+    return kept
+
+
 def run_distill(loaded: LoadedModel, settings: DistillSettings, out_dir: Path, progress: Progress) -> Path:
     """Generate (or resume) the data set into `out_dir`; returns the folder."""
+    from lab.prompts import BUILTIN_PROMPTS
+
     settings.check()
-    prompts = [text for _, text in distill_prompts()][: settings.limit]
-    config = {"settings": asdict(settings), "model_shape": model_shape(loaded), "prompts": len(prompts)}
+    handwritten = [text for _, text in distill_prompts()][: settings.limit]
+    config = {"settings": asdict(settings), "model_shape": model_shape(loaded)}
+    if settings.prompts == "handwritten":
+        config["prompts"] = len(handwritten)
+        batches = [handwritten[i : i + settings.batch_size] for i in range(0, len(handwritten), settings.batch_size)]
+        total = len(batches)
+    else:
+        pool = PromptPool([p.text for p in BUILTIN_PROMPTS], [t for _, t in distill_prompts()])
+        total = settings.magpie_chunks
     _check_config(out_dir, config)
-    batches = [prompts[i : i + settings.batch_size] for i in range(0, len(prompts), settings.batch_size)]
-    for index, batch in enumerate(batches):
+    tokens, start = 0, time.perf_counter()
+    for index in range(total):
         shard = out_dir / f"shard_{index:05d}.safetensors"
-        if shard.exists():
-            progress(index + 1, len(batches), f"{shard.name} already done")
+        batch = batches[index] if settings.prompts == "handwritten" else None
+        done = shard.exists() or shard.with_suffix(".empty").exists()
+        if batch is None:  # always selected (candidates are cached), so the pool is complete on resume
+            batch = _magpie_prompts(loaded, settings, out_dir, pool, index)
+        if done:
+            progress(index + 1, total, f"{shard.name} already done")
             continue
-        torch.manual_seed(settings.seed + index)
-        encoded = [loaded.encode(text, chat=True) for text in batch]
-        records = []
-        for variant in range(0 if settings.greedy else 1, 1 + settings.samples):
-            responses = generate_responses(loaded, encoded, settings, sampled=variant > 0)
-            for prompt, response in zip(encoded, responses, strict=True):
-                if response:
-                    records.append((prompt, response, teacher_pass(loaded, prompt, response, settings.top_k)))
-        partial = shard.with_suffix(".partial")
-        save_file(_shard_tensors(records), str(partial))
-        os.replace(partial, shard)
-        progress(index + 1, len(batches), f"{shard.name}: {sum(len(r) for _, r, _ in records)} response tokens")
+        t0 = time.perf_counter()
+        records = respond(loaded, [loaded.encode(text, chat=True) for text in batch], settings, settings.seed + index)
+        new = _save_shard(shard, records)
+        tokens += new
+        rate, overall = new / (time.perf_counter() - t0), tokens / (time.perf_counter() - start)
+        progress(index + 1, total, f"{shard.name}: {len(batch)} prompts, {new} response tokens, {rate:.1f} tok/s "
+                 f"(this run: {tokens} tokens, {overall:.1f} tok/s)")  # fmt: skip
     return out_dir

@@ -9,8 +9,10 @@ error accumulation of drafting from its own features). The head starts as the id
 (`init_identity`; the paper does not say how it initialises, and from a random layer the first steps only undo
 its output scale). AdamW, linear warm-up then cosine decay to 10%, gradient clipping at 0.5 (EAGLE's setting).
 A batch is whole sequences (right-padded, causal mask) adding up to
-about `batch_size` rows. Sequences with id % 20 == 0 are held out: the log reports their regression loss, CE
-and top-1 / top-5 accuracy (the head's argmax over V_d equals the target's argmax) at the end of every epoch.
+about `batch_size` rows. Held out: the responses to the prompts `DistillData.held_out()` picks (split by prompt);
+the log reports their regression loss, CE and top-1 / top-5 accuracy (the head's argmax over V_d equals the
+target's argmax) every `eval_every` steps and at the end of every epoch, also into the checkpoint's metrics file
+(checkpoints and resume: `lab.heads.checkpoint`).
 On CPU the head and LM-head products run under bf16 autocast (as Medusa's trainer; losses and updates in fp32).
 Deliberate difference (EAGLE-3's training-time test): the loss is unrolled for UNROLL steps. Step k feeds the
 head's own step k - 1 output as the feature of the pair (f_hat_{p+k}, x_{p+k+1}), which attends to the real
@@ -32,6 +34,7 @@ from torch.nn import functional as F
 from transformers import DynamicCache
 
 from lab.distill.dataset import DistillData
+from lab.heads.checkpoint import Checkpoint
 from lab.heads.common import draft_vocabulary
 from lab.heads.eagle import EagleHead, head_tensors
 from lab.models import LoadedModel
@@ -42,7 +45,6 @@ NOISE = 0.1  # input features + U(-NOISE, NOISE)
 CLIP = 0.5
 UNROLL = 2  # training-time test steps (EAGLE-3): 1 = EAGLE-1's teacher-forced loss only
 UNROLL_DECAY = 0.8
-HELD_OUT_EVERY = 20
 Log = Callable[[str], None]
 
 
@@ -200,7 +202,9 @@ def evaluate(head: EagleHead, data: DistillData, rows: Rows, held: list) -> dict
     return {name: round(value / max(count, 1), 4) for name, value in totals.items()}
 
 
-def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[dict, dict]:
+def train(
+    loaded: LoadedModel, data: DistillData, options, log: Log, checkpoint: Checkpoint | None = None
+) -> tuple[dict, dict]:
     """Train the EAGLE head; returns (tensors, config) for `lab.heads.common.save_heads`."""
     size = options.draft_vocab if options.draft_vocab > 0 else loaded.vocab_size
     vocab = draft_vocabulary(data.token_frequencies(loaded.vocab_size), size, always=loaded.eos_token_ids)
@@ -210,8 +214,9 @@ def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[di
     init_identity(head)
     head._target["lm_weight"] = head._target["lm_weight"].float()
     spans, rows = sequence_spans(data), prepare_rows(data, remap)
-    held = [s for s in spans if s[0] % HELD_OUT_EVERY == 0]
-    train_spans = [s for s in spans if s[0] % HELD_OUT_EVERY != 0]
+    held_rows = data.held_out()
+    held = [s for s in spans if bool(held_rows[s[1]])][:400]
+    train_spans = [s for s in spans if not bool(held_rows[s[1]])]
     if options.tokens is not None:  # the first sequences up to `tokens` rows
         ends = torch.tensor([b - a for _, a, b in train_spans]).cumsum(0)
         train_spans = train_spans[: max(1, int((ends <= options.tokens).sum()))]
@@ -222,12 +227,18 @@ def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[di
     autocast = loaded.device.type == "cpu"
     per_epoch = len(group(train_spans, options.batch_size, None))
     steps = max(1, math.ceil(options.epochs * per_epoch))
-    optimizer = torch.optim.AdamW(head.parameters(), lr=options.lr, weight_decay=0.0)
+    params = dict(head.named_parameters())
+    optimizer = torch.optim.AdamW(params.values(), lr=options.lr, weight_decay=0.0)
+    checkpoint = checkpoint or Checkpoint(None, {}, log)
+    first = checkpoint.restore(params, optimizer)
     step, start, running = 0, time.perf_counter(), []
     while step < steps:
         for spans in group(train_spans, options.batch_size, generator):
             if step == steps:
                 break
+            if step < first:  # done before the interruption: same batches, skipped
+                step += 1
+                continue
             for group_ in optimizer.param_groups:
                 group_["lr"] = learning_rate(step, steps, options.lr, warmup=max(steps // 20, 1))
             parts = losses(head, make_batch(data, rows, spans), NOISE, autocast)
@@ -243,9 +254,12 @@ def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[di
                 log(f"step {step}/{steps} reg {mean[0]:.4f} ce {mean[1]:.3f} top1 {mean[2]:.3f} "
                     f"({time.perf_counter() - start:.0f} s)")  # fmt: skip
                 running = []
-            if step % per_epoch == 0 or step == steps:
-                log(f"held out @ step {step}: {evaluate(head.eval(), data, rows, held)}")
+            if step % per_epoch == 0 or step % options.eval_every == 0 or step == steps:
+                metrics = evaluate(head.eval(), data, rows, held)
+                log(f"held out @ step {step}: {metrics}")
+                checkpoint.log_metrics({"step": step, "held_out": metrics})
                 head.train()
+            checkpoint.maybe_save(step, params, optimizer, force=step == steps)
     metrics = evaluate(head.eval(), data, rows, held)
     config = {
         "draft_vocab": int(vocab.numel()),

@@ -4,9 +4,11 @@ Loss (Cai et al. 2024, Sec. 2.2.1, Medusa-1 with self-distillation, Sec. 2.3.2):
     L = sum_{k=1..K} 0.8^(k-1) * CE(p_teacher(x_{t+k+1} | x_<=t+k), p_t^(k))
 where p_teacher is the model's own next-token distribution stored at position t + k (its top-32, restricted to
 the draft vocabulary V_d and renormalised; rows with no mass in V_d are skipped). Only W_k, b_k are trained
-(AdamW, linear warm-up then cosine decay); the LM head rows stay frozen. Sequences with id % 20 == 0 are held
-out: the log reports per-head loss and top-1 accuracy (head argmax == the teacher's argmax token) on them, and
-the held-out rank accuracies give the candidate tree (`lab.heads.medusa.tune_choices`), stored in the config.
+(AdamW, linear warm-up then cosine decay); the LM head rows stay frozen. Held out: every response to the prompts
+`DistillData.held_out()` picks (a split by prompt); every `eval_every` steps the log (and the checkpoint's metrics
+file) reports per-head loss and top-1 accuracy (head argmax == the teacher's argmax token) on 4096 of their rows,
+and the final held-out rank accuracies give the candidate tree (`lab.heads.medusa.tune_choices`), stored in the
+config. `fit` checkpoints and resumes (`lab.heads.checkpoint`).
 The helpers here (targets, batches, schedule, evaluation) are shared with `lab.heads.mtpc_train`.
 On CPU the head and LM-head products run under bf16 autocast (about 1.3x faster here; losses and updates in fp32).
 Not covered: early stopping, data larger than memory, GPU mixed precision.
@@ -22,12 +24,13 @@ from dataclasses import dataclass
 import torch
 
 from lab.distill.dataset import DistillData
+from lab.heads.checkpoint import Checkpoint
 from lab.heads.common import draft_vocabulary
 from lab.heads.medusa import rank_accuracy, residual_blocks, tune_choices
 from lab.models import LoadedModel
 
 DECAY = 0.8  # lambda_k = 0.8^(k-1) (Cai et al. 2024)
-HELD_OUT_EVERY = 20  # sequences with id % 20 == 0 are held out
+HELD_OUT_ROWS = 4096  # held-out rows evaluated
 MAX_RANK = 10  # ranks tracked for the tree
 TREE_PATHS = 64
 Log = Callable[[str], None]
@@ -64,7 +67,7 @@ def build_targets(data: DistillData, vocab: torch.Tensor, heads: int, vocab_size
         soft_probs[rows, k] = torch.where(ids >= 0, data.topk_probs[later], 0.0)
         argmax[rows, k] = data.topk_ids[later, 0]
         hard[rows, k] = remap[data.next_token[later]]
-    held_out = data.sequence % HELD_OUT_EVERY == 0
+    held_out = data.held_out()
     return Targets(torch.arange(n), soft_ids, soft_probs, argmax, hard, held_out)
 
 
@@ -103,13 +106,29 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int = 50) -> float
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def fit(parameters: list[torch.Tensor], loss_fn, train_rows: torch.Tensor, options, log: Log, report) -> None:
-    """AdamW over `options.epochs` passes of `train_rows`; `report(step)` logs held-out metrics now and then."""
+def fit(
+    params: dict[str, torch.Tensor],
+    loss_fn,
+    train_rows: torch.Tensor,
+    options,
+    log: Log,
+    report: Callable[[int], dict],
+    checkpoint: Checkpoint | None = None,
+) -> None:
+    """AdamW over `options.epochs` passes of `train_rows`; every `options.eval_every` steps (and at the end)
+    `report(step)` returns held-out metrics, logged with the train loss to the checkpoint's metrics file; the
+    checkpoint is saved as often as it asks and at the end, and a run resumes from it (same batch order)."""
     steps = max(1, int(options.epochs * train_rows.numel() / options.batch_size))
-    optimizer = torch.optim.AdamW(parameters, lr=options.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(list(params.values()), lr=options.lr, weight_decay=0.0)
+    checkpoint = checkpoint or Checkpoint(None, {}, log)
+    first = checkpoint.restore(params, optimizer)
     generator = torch.Generator().manual_seed(options.seed)
-    start, running = time.perf_counter(), []
+    start, running, recent = time.perf_counter(), [], []
+    if first == 0:  # the curve's starting point
+        checkpoint.log_metrics({"step": 0, **report(0)})
     for step, batch in enumerate(batches(train_rows, options.batch_size, steps, generator)):
+        if step < first:  # done before the interruption: same batches, skipped
+            continue
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, steps, options.lr)
         loss = loss_fn(batch)
@@ -117,12 +136,16 @@ def fit(parameters: list[torch.Tensor], loss_fn, train_rows: torch.Tensor, optio
         loss.backward()
         optimizer.step()
         running.append(float(loss.detach()))
+        recent.append(running[-1])
         if (step + 1) % 50 == 0 or step + 1 == steps:
             elapsed = time.perf_counter() - start
             log(f"step {step + 1}/{steps} train loss {sum(running) / len(running):.4f} ({elapsed:.0f} s)")
             running = []
-        if (step + 1) % max(steps // 4, 1) == 0 or step + 1 == steps:
-            report(step + 1)
+        if (step + 1) % max(options.eval_every, 1) == 0 or step + 1 == steps:
+            metrics = report(step + 1)
+            checkpoint.log_metrics({"step": step + 1, "train_loss": sum(recent) / len(recent), **metrics})
+            recent = []
+        checkpoint.maybe_save(step + 1, params, optimizer, force=step + 1 == steps)
 
 
 def subsample(rows: torch.Tensor, tokens: int | None, seed: int) -> torch.Tensor:
@@ -140,20 +163,31 @@ def ranks_of(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.where(inside, ranks, torch.full_like(ranks, MAX_RANK))
 
 
-def head_metrics(ranks: torch.Tensor, losses: torch.Tensor, valid: torch.Tensor, log: Log, label: str) -> list:
-    """Log per-position loss and top-1 accuracy; return rank accuracies [K][MAX_RANK]. ranks/losses/valid [N, K]."""
-    accuracy = []
-    parts = []
+def head_metrics(
+    ranks: torch.Tensor, losses: torch.Tensor, valid: torch.Tensor, log: Log, label: str
+) -> tuple[list, dict]:
+    """Log per-position loss and top-1 accuracy; return (rank accuracies [K][MAX_RANK], {"loss": [K], "top1": [K]}).
+    ranks/losses/valid [N, K]."""
+    accuracy, parts, summary = [], [], {"loss": [], "top1": []}
     for k in range(ranks.shape[1]):
         r = ranks[valid[:, k], k]
         accuracy.append(rank_accuracy(r, MAX_RANK))
         loss = float(losses[valid[:, k], k].mean()) if r.numel() else float("nan")
         parts.append(f"head {k + 1}: loss {loss:.3f} top1 {accuracy[-1][0]:.3f} top5 {sum(accuracy[-1][:5]):.3f}")
+        summary["loss"].append(round(loss, 4))
+        summary["top1"].append(round(accuracy[-1][0], 4))
     log(f"{label}: " + "; ".join(parts))
-    return accuracy
+    return accuracy, summary
 
 
-def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[dict, dict]:
+def held_out_rows(targets: Targets, seed: int) -> torch.Tensor:
+    """A fixed sample of HELD_OUT_ROWS held-out rows (sorted)."""
+    return subsample(targets.rows[targets.held_out], HELD_OUT_ROWS, seed)
+
+
+def train(
+    loaded: LoadedModel, data: DistillData, options, log: Log, checkpoint: Checkpoint | None = None
+) -> tuple[dict, dict]:
     """Train K Medusa heads; returns (tensors, config) for `lab.heads.common.save_heads`."""
     heads, hidden = options.heads, int(loaded.config.hidden_size)
     vocab = choose_vocab(loaded, data, options.draft_vocab)
@@ -163,7 +197,7 @@ def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[di
     bias = torch.zeros(heads, hidden, requires_grad=True)
     valid = targets.soft_probs[:, 1:].sum(-1) > 0  # [N, K]
     train_rows = subsample(targets.rows[~targets.held_out & valid[:, 0]], options.tokens, options.seed)
-    held = targets.rows[targets.held_out][:2048]
+    held = held_out_rows(targets, options.seed)
     log(f"draft vocabulary {vocab.numel()} ids; {train_rows.numel()} training rows, {held.numel()} held out")
 
     def logits_of(rows: torch.Tensor) -> torch.Tensor:
@@ -181,7 +215,7 @@ def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[di
 
     accuracy: list = []
 
-    def report(step: int) -> None:
+    def report(step: int) -> dict:
         nonlocal accuracy
         ces, ranks = [], []
         with torch.no_grad():
@@ -190,9 +224,10 @@ def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[di
                 soft = targets.soft_ids[chunk, 1:], targets.soft_probs[chunk, 1:]
                 ces.append(soft_cross_entropy(logits.log_softmax(-1), *soft))
                 ranks.append(ranks_of(logits, soft[0][..., 0].long()))  # the teacher's argmax in V_d (-1 outside)
-        accuracy = head_metrics(torch.cat(ranks), torch.cat(ces), valid[held], log, f"held out @ step {step}")
+        accuracy, summary = head_metrics(torch.cat(ranks), torch.cat(ces), valid[held], log, f"held out @ step {step}")
+        return {"held_out": summary}
 
-    fit([weight, bias], loss_fn, train_rows, options, log, report)
+    fit({"blocks.weight": weight, "blocks.bias": bias}, loss_fn, train_rows, options, log, report, checkpoint)
     choices = tune_choices(accuracy, TREE_PATHS)
     tensors = {"blocks.weight": weight.detach(), "blocks.bias": bias.detach(), "vocab": vocab}
     config = {"heads": heads, "draft_vocab": int(vocab.numel()), "choices": [list(p) for p in choices]}

@@ -9,9 +9,12 @@ q_k = sum_z pi_z p_{k,z} the circuit's marginal. Same data, vocabulary, optimise
 `lab.heads.medusa_train` (shared helpers). The held-out log reports both the marginal top-1 (what independent
 heads can reach) and the conditional top-1 given the true prefix and root, q_k(. | y_0..y_{k-1}) (what the joint
 adds); the conditional rank accuracies give the candidate tree.
-Warm start: when this model's Medusa heads exist (`heads/<model>/medusa.*`, same K and draft vocabulary), the
-per-position blocks W_k, b_k start from them (logged and recorded as `warm_start` in the config), so MTPC training
-adds the mixture on top of Medusa's training instead of repeating it (a CPU-time saving; train Medusa first).
+Warm start (option `warm_start`, on by default): when this model's Medusa heads exist (`heads/<model>/medusa.*`,
+same K and draft vocabulary), the per-position blocks W_k, b_k start from them (logged and recorded as
+`warm_start` in the config), so MTPC training adds the mixture on top of Medusa's training instead of repeating it.
+Off (`--no-warm-start`), every r starts from the same `init_tensors` draw: the fair comparison of r = 1, r = 4,
+r = 8 and a fully factorised baseline of the same parameter count (r = 1 with `rank` = 4 x 32, same data,
+schedule and epochs). Held-out split by prompt and checkpoints as in `lab.heads.medusa_train`.
 Not covered: EM training, HMM-style circuits, components with separate LM-head copies.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from lab.distill.dataset import DistillData
+from lab.heads.checkpoint import Checkpoint
 from lab.heads.common import HEADS_DIR, find_heads, load_heads
 from lab.heads.medusa import tune_choices
 from lab.heads.medusa_train import (
@@ -30,6 +34,7 @@ from lab.heads.medusa_train import (
     choose_vocab,
     fit,
     head_metrics,
+    held_out_rows,
     ranks_of,
     soft_cross_entropy,
     subsample,
@@ -38,7 +43,6 @@ from lab.heads.mtpc import init_tensors, mtpc_logits
 from lab.models import LoadedModel
 from lab.params import InputError
 
-RANK = 32  # rho, rank of the per-(k, z) adapters
 EVAL_CHUNK = 128
 
 
@@ -95,17 +99,20 @@ def warm_start(loaded: LoadedModel, tensors: dict, vocab: torch.Tensor, log: Log
     return source
 
 
-def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[dict, dict]:
+def train(
+    loaded: LoadedModel, data: DistillData, options, log: Log, checkpoint: Checkpoint | None = None
+) -> tuple[dict, dict]:
     """Train a K-position, r-component circuit; returns (tensors, config) for `save_heads`."""
     heads, hidden = options.heads, int(loaded.config.hidden_size)
     vocab = choose_vocab(loaded, data, options.draft_vocab)
     lm = loaded.lm_head.weight.detach().float().cpu()[vocab]  # [V_d, H] frozen
     targets = build_targets(data, vocab, heads, loaded.vocab_size)
-    tensors = {name: t.requires_grad_() for name, t in init_tensors(heads, options.components, RANK, hidden).items()}
-    source = warm_start(loaded, tensors, vocab, log)
+    fresh = init_tensors(heads, options.components, options.rank, hidden)
+    tensors = {name: t.requires_grad_() for name, t in fresh.items()}
+    source = warm_start(loaded, tensors, vocab, log) if options.warm_start else None
     valid = targets.soft_probs[:, 1:].sum(-1) > 0  # [N, K]
     train_rows = subsample(targets.rows[~targets.held_out & valid[:, 0]], options.tokens, options.seed)
-    held = targets.rows[targets.held_out][:2048]
+    held = held_out_rows(targets, options.seed)
     decay = DECAY ** torch.arange(heads, dtype=torch.float32)
     log(f"draft vocabulary {vocab.numel()} ids, r = {options.components}; {train_rows.numel()} training rows")
 
@@ -124,7 +131,7 @@ def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[di
 
     accuracy: list = []
 
-    def report(step: int) -> None:
+    def report(step: int) -> dict:
         nonlocal accuracy
         parts: dict[str, list] = {"ce": [], "marginal": [], "conditional": []}
         with torch.no_grad():
@@ -135,14 +142,15 @@ def train(loaded: LoadedModel, data: DistillData, options, log: Log) -> tuple[di
                 parts["marginal"].append(ranks_of(marginal, greedy))
                 parts["conditional"].append(ranks_of(conditional, greedy))
         ce = torch.cat(parts["ce"])
-        head_metrics(torch.cat(parts["marginal"]), ce, valid[held], log, f"held out @ step {step}, marginal")
+        _, marginal = head_metrics(torch.cat(parts["marginal"]), ce, valid[held], log, f"held out @ {step}, marginal")
         conditional = torch.cat(parts["conditional"])
-        accuracy = head_metrics(conditional, ce, valid[held], log, f"held out @ step {step}, conditional")
+        accuracy, summary = head_metrics(conditional, ce, valid[held], log, f"held out @ {step}, conditional")
+        return {"held_out": summary, "held_out_marginal": marginal}
 
-    fit(list(tensors.values()), loss_fn, train_rows, options, log, report)
+    fit(tensors, loss_fn, train_rows, options, log, report, checkpoint)
     choices = tune_choices(accuracy, TREE_PATHS)
     saved = {name: t.detach() for name, t in tensors.items()} | {"vocab": vocab}
-    config = {"heads": heads, "components": options.components, "rank": RANK, "draft_vocab": int(vocab.numel())}
+    config = {"heads": heads, "components": options.components, "rank": options.rank, "draft_vocab": int(vocab.numel())}
     config["warm_start"] = source
     return saved, {**config, "choices": [list(p) for p in choices], "rank_accuracy": accuracy}
 
