@@ -12,8 +12,8 @@ plotly, the standard library and `lab.trace` only: never torch or gradio (tests/
 from __future__ import annotations
 
 import importlib
-import inspect
 import pkgutil
+from inspect import signature
 
 import plotly.graph_objects as go
 
@@ -92,7 +92,7 @@ def strategy_figures(strategy_name: str, events: list[Event], width_px: float | 
     if width_px is None:
         return [figure(events) for figure in figures]
     return [
-        figure(events, width_px=width_px) if "width_px" in inspect.signature(figure).parameters else figure(events)
+        figure(events, width_px=width_px) if "width_px" in signature(figure).parameters else figure(events)
         for figure in figures
     ]
 
