@@ -182,14 +182,14 @@ def test_views_draw_what_the_trace_recorded() -> None:
     assert drawn == len(tree.tokens) and tree.next_source in by_name
     mask = views.attention_mask(tree.parents)
     assert len(mask) == len(tree.tokens) + 1 and all(row[0] == 1 and row[i] == 1 for i, row in enumerate(mask))
-    drafted = [r for r in rounds if r.tokens]  # a last round with no budget left drafts nothing (no head tops)
-    assert all(r.head_top_probs for r in drafted) and drafted[-1].head_top_probs
+    drafted = [r for r in rounds if r.tokens]
+    assert all(r.head_top_probs for r in rounds)  # a last round with no budget left still carries the head tops
     latest = views.head_topk_figure(events, drafted[-1].step).data[0]
     assert latest.z[0][0] == drafted[-1].head_top_probs[0][0]
     pairs = views.pairs_figure(events).data
     mix = [e for e in events if isinstance(e, MixtureRound)][-1]
     assert list(pairs[0].y) == mix.joint and list(pairs[1].y) == mix.product
-    assert list(views.mixture_figure(events).data[0].x) == [r.step for r in drafted]
+    assert list(views.mixture_figure(events).data[0].x) == [r.step for r in rounds]  # one MixtureRound per round
     hist = views.compare_accepted_lengths({"medusa": events, "mtpc": events}).data
     assert sum(hist[0].y) == pytest.approx(1.0) and "tau" in hist[0].name
     for figure in (views.tree_figure, views.pairs_figure, views.mixture_figure, views.accepted_length_figure):
