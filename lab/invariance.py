@@ -10,7 +10,8 @@ Two things make a multi-token forward round differently from a one-token step in
   3D batched path sum in another order than the 2D multi-row kernel, whose rows do not depend on how many rows
   there are. `make_rows_invariant` runs every linear layer as a 2D product and a one-row input as two identical
   rows (the multi-row kernel), so decode steps and verify rows agree bit for bit.
-In float32 neither is applied: float32 logits have the precision that makes ties rare (the exactness tests show
+`DECODING_LAB_ROW_INVARIANT=0` turns both off at model load (faster verification, greedy equality only up to
+bf16 ties again). In float32 neither is applied: float32 logits have the precision that makes ties rare (the exactness tests show
 greedy equality there without it). Not covered: CUDA kernels (cuBLAS picks kernels by shape too; not measured).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import types
 from collections.abc import Iterator
 
@@ -28,6 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION = "lab_rows"
+SWITCH = "DECODING_LAB_ROW_INVARIANT"  # "0" turns row-invariant forwards off (faster tree verification, not exact)
 REDUCED = (torch.bfloat16, torch.float16)
 _ROWWISE = contextvars.ContextVar("lab_rows_invariant", default=False)
 _VISIBLE = contextvars.ContextVar("lab_rows_visible", default=None)  # (mask, shape, visible keys per row)
@@ -103,6 +106,8 @@ def make_rows_invariant(model: nn.Module) -> list[str]:
     the linear layers switched to the 2D / two-row product. A float32 or GPU model is left as it is."""
     weight = next(model.parameters(), None)
     if weight is None or weight.dtype not in REDUCED or weight.device.type != "cpu":
+        return []
+    if os.environ.get(SWITCH, "1") == "0":  # speed over bit-exact greedy equality (README: what it costs)
         return []
     config = model.config
     if getattr(config, "_attn_implementation", None) in ("sdpa", "eager", None):

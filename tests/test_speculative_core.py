@@ -170,3 +170,14 @@ def test_greedy_tree_methods_equal_greedy_in_bf16(tiny_bf16, repeating_prompt_id
     eagle = EagleProposer(head, TreeShape(16, 3, 4))
     settings = TreeSettings(40, settings.config, "greedy", method="eagle")
     assert tokens_of(collect(tree_loop(tiny_bf16, repeating_prompt_ids, eagle, gen(), settings))) == expected
+
+
+def test_the_row_invariance_switch_turns_it_off(monkeypatch) -> None:
+    from lab.invariance import SWITCH, make_rows_invariant
+    from tests.tiny import tiny_llama
+
+    monkeypatch.setenv(SWITCH, "0")
+    model = tiny_llama(5).to(torch.bfloat16)
+    assert make_rows_invariant(model) == [] and model.config._attn_implementation != "lab_rows"
+    monkeypatch.setenv(SWITCH, "1")
+    assert make_rows_invariant(model) and model.config._attn_implementation == "lab_rows"
