@@ -12,7 +12,8 @@ Two things make a multi-token forward round differently from a one-token step in
   rows (the multi-row kernel), so decode steps and verify rows agree bit for bit.
 `DECODING_LAB_ROW_INVARIANT=0` turns both off at model load (faster verification, greedy equality only up to
 bf16 ties again). In float32 neither is applied: float32 logits have the precision that makes ties rare (the
-exactness tests show greedy equality there without it). Not covered: CUDA kernels (cuBLAS picks kernels by shape too; not measured).
+exactness tests show greedy equality there without it). Not covered: CUDA kernels (cuBLAS picks kernels by shape
+too; not measured).
 """
 
 from __future__ import annotations
