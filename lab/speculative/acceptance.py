@@ -20,7 +20,7 @@ Not covered: stochastic (sampled) trees with q per node (a sampled draft must be
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -61,9 +61,7 @@ class Acceptance:
     def ended_by(self, eos_ids: tuple[int, ...]) -> Acceptance:
         """An accepted EOS ends the text: nothing is drawn after it."""
         if self.accepted and self.accepted[-1] in eos_ids and self.next_token is not None:
-            return Acceptance(
-                self.accepted, self.uniforms, self.ratios, None, None, self.path, self.rejected, lossy=self.lossy
-            )
+            return replace(self, recovered=None, bonus=None, residual=None)
         return self
 
 

@@ -97,24 +97,19 @@ class Draft:
     def truncated(self, n: int) -> Draft:
         """The first n tokens of a chain draft (rows and candidates cut alike)."""
         self._need_chain("truncated")
-        return replace(
-            self,
-            tokens=self.tokens[:n],
-            parents=None,
-            q=self.q[:n] if self.q is not None else None,
-            q_token=self.q_token[:n] if self.q_token is not None else None,
-            ranks=self.ranks[:n] if self.ranks is not None else None,
-            top_ids=self.top_ids[:n] if self.top_ids is not None else None,
-            top_probs=self.top_probs[:n] if self.top_probs is not None else None,
-        )
+        return self._sliced(slice(None, n))
 
     def dropped(self, n: int) -> Draft:
         """A chain draft without its first n tokens."""
         self._need_chain("dropped")
-        cut = lambda x: x[n:] if x is not None else None  # noqa: E731
+        return self._sliced(slice(n, None))
+
+    def _sliced(self, part: slice) -> Draft:
+        """The chain's positions in `part`, every per-position field cut alike (the detail events are kept)."""
+        cut = lambda x: x[part] if x is not None else None  # noqa: E731
         return replace(
             self,
-            tokens=self.tokens[n:],
+            tokens=self.tokens[part],
             parents=None,
             q=cut(self.q),
             q_token=cut(self.q_token),
