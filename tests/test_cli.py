@@ -79,7 +79,7 @@ def test_run_streams_text_and_stats(embedded, capsys: pytest.CaptureFixture[str]
     assert cli.main([*argv, "--set", "temperature=0.5", "--dtype", "float32", "--device", "cpu"]) == 0
     captured = capsys.readouterr()
     assert captured.out.endswith("\n")
-    assert "[sample]" in captured.err and "tok/s" in captured.err and "stop:" in captured.err
+    assert "[sample bf16]" in captured.err and "tok/s" in captured.err and "stop:" in captured.err  # + weight format
 
 
 BAD_INPUTS = {
