@@ -4,8 +4,10 @@ would, so greedy verification decides exactly as greedy decoding in bf16 / fp16 
 Two things make a multi-token forward round differently from a one-token step in reduced precision:
 - attention: a one-token step attends with one query row; a verify forward runs all rows in one SDPA call (other
   kernel, other reduction order). Under `rows_invariant`, the attention function `lab_rows` runs each query row
-  on its own, over exactly the keys it may see (the prefix and its ancestors, in sequence order), with the same
-  SDPA call a decode step makes; outside it (prefill, decode steps) it is plain SDPA.
+  over exactly the keys it may see (the prefix and its ancestors, in sequence order) with the one-query-row
+  SDPA call a decode step makes, batched over the rows that see equally many keys (a tree level: SDPA computes
+  each batch element alone); outside it (prefill, decode steps) it is plain SDPA. What it costs: each row reads
+  the whole prefix (rows x prefix keys copied per layer) where one multi-row call reads it once.
 - linear layers: for some shapes and inputs the CPU's bf16 kernel for one row (a matrix-vector product) and the
   3D batched path sum in another order than the 2D multi-row kernel, whose rows do not depend on how many rows
   there are. `make_rows_invariant` runs every linear layer as a 2D product and a one-row input as two identical
@@ -23,6 +25,7 @@ import contextvars
 import os
 import types
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -34,46 +37,86 @@ ATTENTION = "lab_rows"
 SWITCH = "DECODING_LAB_ROW_INVARIANT"  # "0" turns row-invariant forwards off (faster tree verification, not exact)
 REDUCED = (torch.bfloat16, torch.float16)
 _ROWWISE = contextvars.ContextVar("lab_rows_invariant", default=False)
-_VISIBLE = contextvars.ContextVar("lab_rows_visible", default=None)  # (mask, shape, visible keys per row)
+_PLAN = contextvars.ContextVar("lab_rows_plan", default=None)  # (mask, shapes, row groups) of the last forward
 
 
-def _visible_keys(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) -> list[slice | torch.Tensor]:
-    """Per query row, the keys it may see: a slice when they are a prefix (chains), else their indices (trees).
-    The mask is the same for every layer of a forward, so the answer is computed once per mask."""
-    cached = _VISIBLE.get()
+@dataclass(frozen=True)
+class _RowGroup:
+    """Query rows that see the same number of keys: the whole cache prefix, then `tails` (their own keys)."""
+
+    rows: torch.Tensor  # [G] query row indices
+    tails: torch.Tensor  # [G, m] key indices after the prefix, in sequence order (m may be 0)
+
+
+def _row_groups(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) -> list[_RowGroup] | None:
+    """The rows of a verify forward grouped by how many keys each sees (its depth in a chain or tree), or None
+    when some row does not see the whole cache prefix (then each row runs on its own). The mask is the same for
+    every layer of a forward, so the answer is computed once per mask."""
+    cached = _PLAN.get()
     if cached is not None and cached[0] is attention_mask and cached[1] == (q_len, kv_len):
         return cached[2]
+    prefix = kv_len - q_len
     if attention_mask is None:
-        visible: list = [slice(0, kv_len - q_len + i + 1) for i in range(q_len)]
+        visible = torch.tril(torch.ones(q_len, q_len, dtype=torch.bool))
+        sees_prefix = True
     else:
         rows = attention_mask[0, 0]
         rows = rows if rows.dtype == torch.bool else rows == 0  # [q, kv]
-        counts = rows.sum(-1).tolist()
-        prefix = (rows.cumsum(-1) == torch.arange(1, kv_len + 1, device=rows.device)).sum(-1).tolist()
-        visible = [
-            slice(0, n) if n == p else rows[i].nonzero()[:, 0]
-            for i, (n, p) in enumerate(zip(counts, prefix, strict=True))
+        sees_prefix = bool(rows[:, :prefix].all())
+        visible = rows[:, prefix:]
+    groups: list[_RowGroup] | None = None
+    if sees_prefix:
+        by_count: dict[int, list[int]] = {}
+        for i, count in enumerate(visible.sum(-1).tolist()):
+            by_count.setdefault(count, []).append(i)
+        groups = [
+            _RowGroup(
+                torch.tensor(members, device=visible.device),
+                torch.stack([visible[i].nonzero()[:, 0] + prefix for i in members]),
+            )
+            for members in by_count.values()
         ]
-    _VISIBLE.set((attention_mask, (q_len, kv_len), visible))
-    return visible
+    _PLAN.set((attention_mask, (q_len, kv_len), groups))
+    return groups
+
+
+def _group_keys(states: torch.Tensor, prefix: int, tails: torch.Tensor) -> torch.Tensor:
+    """[1, kv_heads, kv, d] -> [G, kv_heads, prefix + m, d]: the prefix, then each row's own keys."""
+    groups, m = tails.shape
+    if groups == 1 and bool((tails[0] == torch.arange(prefix, prefix + m, device=tails.device)).all()):
+        return states[:, :, : prefix + m]  # a chain row: a view, no copy
+    heads, dim = states.shape[1], states.shape[3]
+    own = states[0].index_select(1, tails.flatten()).view(heads, groups, m, dim).transpose(0, 1)
+    return torch.cat([states[:, :, :prefix].expand(groups, -1, -1, -1), own], dim=2)
 
 
 def row_invariant_attention(module, query, key, value, attention_mask, **kwargs):
-    """SDPA, or under `rows_invariant` one SDPA call per query row over the keys that row may see.
+    """SDPA, or under `rows_invariant` one-query-row SDPA over exactly the keys each row may see, in sequence
+    order (the call a decode step makes), batched over the rows that see equally many keys.
 
     query [B, heads, q, d], key / value [B, kv_heads, kv, d], attention_mask None (causal) or [B, 1, q, kv]."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if q_len == 1 or not _ROWWISE.get() or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs_row = {**kwargs, "is_causal": False}
-    rows = []
-    for i, visible in enumerate(_visible_keys(attention_mask, q_len, kv_len)):
-        if isinstance(visible, slice):
-            k, v = key[:, :, visible], value[:, :, visible]
-        else:
-            k, v = key.index_select(2, visible), value.index_select(2, visible)
-        rows.append(sdpa_attention_forward(module, query[:, :, i : i + 1], k, v, None, **kwargs_row)[0])
-    return torch.cat(rows, dim=1), None  # [B, q, heads, d]
+    groups = _row_groups(attention_mask, q_len, kv_len)
+    if groups is None:  # not a verify forward over a full prefix: each row alone over its visible keys
+        rows = attention_mask[0, 0] if attention_mask.dtype == torch.bool else attention_mask[0, 0] == 0
+        out = [
+            sdpa_attention_forward(
+                module, query[:, :, i : i + 1], key[:, :, seen], value[:, :, seen], None, **kwargs_row
+            )[0]
+            for i, seen in enumerate(rows.unbind(0))
+        ]
+        return torch.cat(out, dim=1), None
+    prefix = kv_len - q_len
+    out = query.new_empty(1, q_len, query.shape[1], query.shape[3])  # [B, q, heads, d]
+    for group in groups:
+        rows_query = query[0].index_select(1, group.rows).transpose(0, 1).unsqueeze(2)  # [G, heads, 1, d]
+        k, v = (_group_keys(states, prefix, group.tails) for states in (key, value))
+        attended = sdpa_attention_forward(module, rows_query, k, v, None, **kwargs_row)[0]  # [G, 1, heads, d]
+        out[0].index_copy_(0, group.rows, attended[:, 0])
+    return out, None
 
 
 AttentionInterface.register(ATTENTION, row_invariant_attention)
@@ -84,11 +127,11 @@ AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 def rows_invariant(loaded) -> Iterator[None]:
     """Within this block, multi-token forwards of `loaded` compute rows as one-token steps (reduced precision)."""
     token = _ROWWISE.set(getattr(loaded.model, "_lab_rows_invariant", False))
-    visible = _VISIBLE.set(None)
+    plan = _PLAN.set(None)
     try:
         yield
     finally:
-        _VISIBLE.reset(visible)
+        _PLAN.reset(plan)
         _ROWWISE.reset(token)
 
 
