@@ -46,12 +46,13 @@ def run(loaded, name: str, ids: list[int], values: dict) -> list:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "int8", "int4"), help="weight format")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=len(BUILTIN_PROMPTS))
     parser.add_argument("--start", type=int, default=0, help="skip the first N prompts")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from: " + ", ".join(METHODS))
     args = parser.parse_args()
-    loaded = load_model("smollm2-135m", device="cpu", dtype=args.dtype)
+    loaded = load_model("smollm2-135m", device="cpu", dtype=args.dtype, precision=args.precision)
     methods = {name: METHODS[name] for name in args.methods.split(",")}
     equal, taus = dict.fromkeys(methods, 0), {name: [] for name in methods}
     prompts = BUILTIN_PROMPTS[args.start : args.limit]
@@ -66,7 +67,7 @@ def main() -> int:
             taus[label].append(summarize(events).mean_accepted_length or 0.0)
             line.append(f"{label} tau {taus[label][-1]:.2f}{'' if same else ' MISMATCH'}")
         print("  ".join(line), flush=True)
-    print(f"dtype {args.dtype}, {len(prompts)} prompts, {args.max_new_tokens} tokens")
+    print(f"dtype {args.dtype}, {args.precision} weights, {len(prompts)} prompts, {args.max_new_tokens} tokens")
     for label in methods:
         mean = sum(taus[label]) / len(taus[label])
         print(f"{label}: equal to greedy on {equal[label]}/{len(prompts)} prompts; mean tau {mean:.3f}")
