@@ -134,6 +134,29 @@ def test_bf16_models_run_row_invariant_forwards(tiny_bf16) -> None:
     assert tiny_bf16.model.config._attn_implementation == "lab_rows"
 
 
+def test_bf16_tree_rows_equal_decode_steps_along_their_paths(tiny_bf16) -> None:
+    """Tree verification (rows grouped by level into one SDPA call each) gives every node, bit for bit, the
+    logits a decode step gives after the same path; the widest level has several rows in one call. (With a
+    40-token prefix, plain masked SDPA differs from the decode steps on every node of this tree.)"""
+    from lab import runtime
+    from lab.invariance import rows_invariant
+    from lab.tree import build_tree_attention
+
+    prompt = [(7 * i + 3) % 250 + 1 for i in range(40)]
+    parents, tokens = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 5, 7], [7, 1, 2, 8, 4, 6, 3, 9, 11, 12, 13]
+    state, _ = runtime.prefill(tiny_bf16, prompt)
+    with rows_invariant(tiny_bf16):
+        rows = runtime.verify_tree(state, build_tree_attention(parents), tokens).logits
+    for node in range(len(parents)):
+        path, i = [], node
+        while i >= 0:
+            path.insert(0, tokens[i])
+            i = parents[i]
+        state, _ = runtime.prefill(tiny_bf16, prompt)
+        steps = [runtime.decode_step(state, token).logits[-1] for token in path]
+        assert torch.equal(rows[node], steps[-1]), f"node {node} (path {path})"
+
+
 @pytest.mark.parametrize(
     "name, values",
     [
