@@ -11,6 +11,7 @@ Not covered: editing traces, or re-running a trace's request (that needs the mod
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from lab.pacing import token_cuts
@@ -78,7 +79,7 @@ def events_at(trace: Trace, frame: int) -> list[Event]:
 
 def trace_at(trace: Trace, frame: int) -> Trace:
     """A copy of the trace holding only the events of replay position `frame`."""
-    return Trace(trace.strategy, trace.model, trace.prompt, trace.params, events_at(trace, frame), trace.branch)
+    return dataclasses.replace(trace, events=events_at(trace, frame))
 
 
 def token_count(trace: Trace) -> int:
@@ -93,7 +94,7 @@ def trace_at_token(trace: Trace, k: int) -> Trace:
     if k >= token_count(trace):
         return trace
     cuts = token_cuts(trace.events)
-    return Trace(trace.strategy, trace.model, trace.prompt, trace.params, trace.events[: cuts[k]], trace.branch)
+    return dataclasses.replace(trace, events=trace.events[: cuts[k]])
 
 
 def frame_of_step(trace: Trace, step: int) -> int:

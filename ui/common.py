@@ -4,6 +4,7 @@ step inspector and its token-click wiring. Gradio UI code only; the logic lives 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tempfile
@@ -177,16 +178,7 @@ def trace_prefix(trace: Trace, n: int) -> Trace:
     """The trace with its first n events (the same object when n covers all of them)."""
     if n >= len(trace.events):
         return trace
-    return Trace(
-        trace.strategy,
-        trace.model,
-        trace.prompt,
-        trace.params,
-        trace.events[:n],
-        trace.dtype,
-        trace.precision,
-        trace.branch,
-    )
+    return dataclasses.replace(trace, events=trace.events[:n])
 
 
 def session_pace(request: gr.Request | None) -> PaceControl:
