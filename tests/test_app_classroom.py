@@ -12,7 +12,7 @@ import pytest
 from lab import shared_runs, threads
 from lab.branching import BranchError, branch_point, branch_record
 from lab.pacing import STEP, PaceControl, Pacer, token_cuts
-from lab.replay import token_count, trace_at_token
+from lab.replay import token_count, trace_at, trace_at_token
 from lab.shared_runs import QueueFull, RunHub, Waiting
 from lab.trace import RunFinished, TokenEmitted, Trace, from_json, to_json
 from visualizers.branches import run_tree_html
@@ -148,10 +148,19 @@ def test_token_stepping_positions_and_branch_traces_round_trip():
     with pytest.raises(BranchError):
         branch_point(trace, "run-1", 5, 7)
     assert branch_point(trace, "run-1", 0, None, typed=" hello").forced_id is None
-    branched = Trace("greedy", "m", "p", {}, [token(0, "x", 7)], branch_record(point))
+    branched = Trace("greedy", "m", "p", {}, [token(0, "x", 7)], branch=branch_record(point))
     loaded = from_json(to_json(branched))
     assert loaded.branch["parent_run"] == "run-1" and loaded.branch["prefix_ids"] == [1]
     assert from_json(to_json(trace)).branch is None  # a trace without the field (all older ones) loads
+
+
+def test_stepped_and_replayed_prefixes_keep_what_the_trace_records():
+    events = [token(0, "A", 1), token(1, "B", 2), token(2, "C", 3)]
+    branch = {"parent_run": "run-1", "at_token": 1}
+    trace = Trace("greedy", "m", "p", {}, events, dtype="bfloat16", precision="int4", branch=branch)
+    for prefix in (trace_at_token(trace, 1), trace_at(trace, 1)):
+        assert (prefix.dtype, prefix.precision, prefix.branch) == ("bfloat16", "int4", branch)
+        assert len(prefix.events) < len(events)
 
 
 def test_thread_policy_counts_free_cpus():
