@@ -304,6 +304,8 @@ def wire_stepping(ui: dict, views: dict) -> None:
     def forward(request: gr.Request, state: dict | None):
         return step(request, state, 1)
 
-    steps = {**LIGHT, "concurrency_id": "step", "concurrency_limit": 1}  # two quick presses must not both read
-    ui["back"].click(back, [ui["state"]], outputs, **steps)  # the same position
+    # every press counts (Gradio's default trigger_mode "once" drops a press made while the last one is pending), and
+    # one at a time, so two quick presses do not both read the same position from the session's state
+    steps = {**LIGHT, "concurrency_id": "step", "concurrency_limit": 1, "trigger_mode": "multiple"}
+    ui["back"].click(back, [ui["state"]], outputs, **steps)
     ui["next"].click(forward, [ui["state"]], outputs, **steps)
