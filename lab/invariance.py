@@ -46,6 +46,13 @@ class _RowGroup:
 
     rows: torch.Tensor  # [G] query row indices
     tails: torch.Tensor  # [G, m] key indices after the prefix, in sequence order (m may be 0)
+    contiguous: bool  # one row whose keys are positions [0, prefix + m): a chain row, attended on a view
+
+
+def _seen_by_rows(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, 1, q, kv] boolean or additive mask -> [q, kv] bool: which keys each query row may see."""
+    rows = attention_mask[0, 0]
+    return rows if rows.dtype == torch.bool else rows == 0
 
 
 def _row_groups(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) -> list[_RowGroup] | None:
@@ -60,8 +67,7 @@ def _row_groups(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) ->
         visible = torch.tril(torch.ones(q_len, q_len, dtype=torch.bool))
         sees_prefix = True
     else:
-        rows = attention_mask[0, 0]
-        rows = rows if rows.dtype == torch.bool else rows == 0  # [q, kv]
+        rows = _seen_by_rows(attention_mask)
         sees_prefix = bool(rows[:, :prefix].all())
         visible = rows[:, prefix:]
     groups: list[_RowGroup] | None = None
@@ -69,24 +75,22 @@ def _row_groups(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) ->
         by_count: dict[int, list[int]] = {}
         for i, count in enumerate(visible.sum(-1).tolist()):
             by_count.setdefault(count, []).append(i)
-        groups = [
-            _RowGroup(
-                torch.tensor(members, device=visible.device),
-                torch.stack([visible[i].nonzero()[:, 0] + prefix for i in members]),
-            )
-            for members in by_count.values()
-        ]
+        groups = []
+        for members in by_count.values():
+            tails = torch.stack([visible[i].nonzero()[:, 0] + prefix for i in members])
+            contiguous = len(members) == 1 and bool(visible[members[0], : tails.shape[1]].all())
+            groups.append(_RowGroup(torch.tensor(members, device=visible.device), tails, contiguous))
     _PLAN.set((attention_mask, (q_len, kv_len), groups))
     return groups
 
 
-def _group_keys(states: torch.Tensor, prefix: int, tails: torch.Tensor) -> torch.Tensor:
+def _group_keys(states: torch.Tensor, prefix: int, group: _RowGroup) -> torch.Tensor:
     """[1, kv_heads, kv, d] -> [G, kv_heads, prefix + m, d]: the prefix, then each row's own keys."""
-    groups, m = tails.shape
-    if groups == 1 and bool((tails[0] == torch.arange(prefix, prefix + m, device=tails.device)).all()):
+    groups, m = group.tails.shape
+    if group.contiguous:
         return states[:, :, : prefix + m]  # a chain row: a view, no copy
     heads, dim = states.shape[1], states.shape[3]
-    own = states[0].index_select(1, tails.flatten()).view(heads, groups, m, dim).transpose(0, 1)
+    own = states[0].index_select(1, group.tails.flatten()).view(heads, groups, m, dim).transpose(0, 1)
     return torch.cat([states[:, :, :prefix].expand(groups, -1, -1, -1), own], dim=2)
 
 
@@ -101,19 +105,18 @@ def row_invariant_attention(module, query, key, value, attention_mask, **kwargs)
     kwargs_row = {**kwargs, "is_causal": False}
     groups = _row_groups(attention_mask, q_len, kv_len)
     if groups is None:  # not a verify forward over a full prefix: each row alone over its visible keys
-        rows = attention_mask[0, 0] if attention_mask.dtype == torch.bool else attention_mask[0, 0] == 0
         out = [
             sdpa_attention_forward(
                 module, query[:, :, i : i + 1], key[:, :, seen], value[:, :, seen], None, **kwargs_row
             )[0]
-            for i, seen in enumerate(rows.unbind(0))
+            for i, seen in enumerate(_seen_by_rows(attention_mask).unbind(0))
         ]
         return torch.cat(out, dim=1), None
     prefix = kv_len - q_len
     out = query.new_empty(1, q_len, query.shape[1], query.shape[3])  # [B, q, heads, d]
     for group in groups:
         rows_query = query[0].index_select(1, group.rows).transpose(0, 1).unsqueeze(2)  # [G, heads, 1, d]
-        k, v = (_group_keys(states, prefix, group.tails) for states in (key, value))
+        k, v = (_group_keys(states, prefix, group) for states in (key, value))
         attended = sdpa_attention_forward(module, rows_query, k, v, None, **kwargs_row)[0]  # [G, 1, heads, d]
         out[0].index_copy_(0, group.rows, attended[:, 0])
     return out, None

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lab.models import load_model  # noqa: E402
 from lab.params import build_params  # noqa: E402
 from lab.prompts import BUILTIN_PROMPTS  # noqa: E402
+from lab.quant import PRECISIONS  # noqa: E402
 from lab.registry import collect, get_strategy  # noqa: E402
 from lab.trace import TokenEmitted, summarize  # noqa: E402
 
@@ -46,7 +47,9 @@ def run(loaded, name: str, ids: list[int], values: dict) -> list:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--precision", default="bf16", choices=("bf16", "int8", "int4"), help="weight format")
+    parser.add_argument(
+        "--precision", default="bf16", choices=[p for p in PRECISIONS if p != "auto"], help="weight format"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=len(BUILTIN_PROMPTS))
     parser.add_argument("--start", type=int, default=0, help="skip the first N prompts")
