@@ -6,10 +6,15 @@ figures come from `visualizers`, and the tabs' logic lives in gradio-free module
 `ui/` (one module per tab, shared pieces in `ui/common.py`). Every tab is built
 from the registries (`strategies.REGISTRY`, `visualizers.VIEWS`), so a new strategy appears everywhere.
 
-Classroom: model work (Run, Compare, Measure) shares one queue (`concurrency_id="model"`, one at a time) of at
-most QUEUE_MAX_SIZE waiting events (Gradio answers "queue is full" beyond that), with a hard time limit per run
-(the generator stops at MAX_RUN_SECONDS and Gradio kills the event at time_limit). Light work (replay, inspect,
-learn) runs in its own concurrency groups. Per-session data lives in gr.State with a time to live; models are
+Classroom: every model run (Run, Branch, Compare) goes through one model lane (`lab.shared_runs.RunHub`, one run
+at a time; Measure takes its lock): a Run handler waits inside the lane and shows its place in line and an
+estimated wait; identical requests (model, strategy, parameters, prompt, chat, seed, branch) share one run, and
+recently finished ones are answered from their recorded events. At most DECODING_LAB_QUEUE_SIZE distinct runs
+(default 32: a class of 30, the teacher and one spare) may wait; beyond that the user is told the queue is full
+and for how long. Each run has a hard time limit (MAX_RUN_SECONDS). Before each run `lab.threads.apply` picks the
+intra-op threads from the CPUs free at that moment (OMP_WAIT_POLICY=PASSIVE is set before torch is imported).
+Light work (replay, inspect, learn, stepping, pace changes) runs in its own concurrency groups. Per-session data
+lives in gr.State with a time to live; models are
 shared through the `lab.models` cache (at most two loaded, never one per session). Stop cancels the running
 generator, whose `finally` frees the KV cache. Renders are throttled to about 5 per second.
 ZeroGPU (Hugging Face Spaces): `model_events` (load, encode, stream plain trace events) is wrapped with
@@ -24,19 +29,26 @@ streams four columns of (title, token_html, stats, figure), then the diff HTML a
 
 Element ids (stable; the browser tests use them; the Run tab's weight precision is `precision`):
   tabs: tab-run, tab-compare, tab-replay, tab-learn, tab-measure
-  run:  model, strategy, preset, prompt, run-button, stop-button, stats, token-view, main-plot, detail-plot-{1..5},
-        text, trace-file, inspect-accordion, inspect-step, inspect-gamma, inspect-plot, alternatives
+  run:  run-settings, model, strategy, preset, prompt, run-button, stop-button, chat, pace, step-back, step-next,
+        present-button, stats, views, token-view, main-plot, detail-plot-{1..5}, text, trace-file,
+        inspect-accordion, inspect-step, inspect-gamma, inspect-plot, alternatives,
+        branch-where, branch-choice, branch-typed, branch-button, branch-original, branch-title, branch-tokens,
+        branch-stats, run-tree
   compare: compare-strategies, compare-prompt, compare-seed, compare-tokens-max, compare-run, compare-stop,
         compare-col-{0..3}, compare-title-{0..3}, compare-tokens-{0..3}, compare-stats-{0..3}, compare-plot-{0..3},
         compare-diff, compare-summary, compare-inspect-plot, compare-alternatives
   replay: trace-upload, replay-example, history, history-open, replay-status, replay-slider, replay-play,
-        replay-pause, replay-stats, replay-token-view, replay-main-plot, replay-detail-plot-{1..5}, replay-text,
+        replay-pause, replay-step-back, replay-step-next, replay-present-button, replay-views, replay-stats,
+        replay-token-view, replay-main-plot, replay-detail-plot-{1..5}, replay-text,
         replay-inspect-plot, replay-alternatives
   learn: learn-language, learn-strategy, learn-text
   measure: measure-strategies, measure-prompts, measure-tokens, measure-run, measure-table, measure-quality,
         measure-acceptance, measure-matrix, measure-file
 Token views (token-view, replay-token-view, compare-tokens-i) are gr.HTML with a click listener: clicking a
-token (a span with data-step) opens that step in the tab's inspector (top-k alternatives + the strategy's view).
+token (a span with data-step) opens that step in the tab's inspector (top-k alternatives + the strategy's view)
+and, in the Run tab, offers its alternatives to "Branch from here". Layout (ui/layout.py): token view and main
+figure side by side, details in an accordion, presentation mode (body.dl-present), left / right arrow keys click
+the visible tab's ◀ / ▶ buttons.
 """
 
 from __future__ import annotations
@@ -46,13 +58,18 @@ import threading
 
 import gradio as gr
 
-from lab.models import EMBEDDED_MODEL, ModelLoadError, load_model
-from ui.common import CSS, LIGHT, MAX_UPLOAD, QUEUE_MAX_SIZE, inspect_trace, stats_markdown
-from ui.compare_tab import build_compare_tab
-from ui.learn_tab import build_learn_tab
-from ui.measure_tab import build_measure_tab
-from ui.replay_tab import build_replay_tab, record_run
-from ui.run_tab import parse_params_json, run_api, stream_outputs
+from lab import threads
+
+threads.set_wait_policy()  # before torch is imported (by lab.models below): OpenMP reads it once
+
+from lab.models import EMBEDDED_MODEL, ModelLoadError, load_model  # noqa: E402
+from ui.common import HUB, LIGHT, MAX_UPLOAD, QUEUE_MAX_SIZE, inspect_trace, stats_markdown  # noqa: E402
+from ui.compare_tab import build_compare_tab  # noqa: E402
+from ui.layout import CSS, KEYS_JS  # noqa: E402
+from ui.learn_tab import build_learn_tab  # noqa: E402
+from ui.measure_tab import build_measure_tab  # noqa: E402
+from ui.replay_tab import build_replay_tab, record_run  # noqa: E402
+from ui.run_tab import parse_params_json, run_api, stream_outputs  # noqa: E402
 
 __all__ = ["build_app", "inspect_trace", "main", "parse_params_json", "run_api", "stats_markdown", "stream_outputs"]
 
@@ -74,14 +91,18 @@ def build_app(queue_max_size: int = QUEUE_MAX_SIZE) -> gr.Blocks:
                 language = build_learn_tab()
             with gr.Tab("Measure", id="measure", elem_id="tab-measure"):
                 build_measure_tab(run, language)
-        for event in run["events"]:
+        finished = [(event, run["state"]) for event in run["events"]]
+        for event, state in [*finished, (run["branch"]["event"], run["branch"]["state"])]:
             event.then(
                 record_run,
-                [run["state"], replay["records_state"]],
+                [state, replay["records_state"]],
                 [replay["records_state"], replay["records"]],
                 **LIGHT,
             )
-    demo.queue(max_size=queue_max_size, default_concurrency_limit=1)
+    # Gradio's own queue: room for every student's Run (they wait in the model lane, where they see their place)
+    # and for light work on top
+    HUB.max_waiting = queue_max_size
+    demo.queue(max_size=2 * queue_max_size, default_concurrency_limit=1)
     return demo
 
 
@@ -106,7 +127,9 @@ def main() -> None:
         server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
         theme=gr.themes.Soft(),
         css=CSS,
+        js=KEYS_JS,
         max_file_size=MAX_UPLOAD,
+        max_threads=2 * QUEUE_MAX_SIZE + 40,  # waiting Run handlers hold a thread each
     )
 
 

@@ -5,14 +5,17 @@ Covered: `load_trace_file` (the upload path: a size cap checked before reading, 
 every failure is a `TraceError` whose message says what is wrong), `example_traces` (the shipped
 examples/traces/*.json), and frames: a replay position is a prefix of the event list, cut where the step index
 changes, so frame k shows exactly what the live view showed after the k-th step (`frame_cuts`, `events_at`,
-`frame_of_step`). Not covered: editing traces, or re-running a trace's request (that needs the model).
+`frame_of_step`), and token positions for keyboard stepping (`token_count`, `trace_at_token`).
+Not covered: editing traces, or re-running a trace's request (that needs the model).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from lab.trace import Event, Trace, TraceError, from_json
+from lab.pacing import token_cuts
+from lab.trace import Event, TokenEmitted, Trace, TraceError, from_json
 
 MAX_UPLOAD_BYTES = 8_000_000
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "traces"
@@ -76,7 +79,22 @@ def events_at(trace: Trace, frame: int) -> list[Event]:
 
 def trace_at(trace: Trace, frame: int) -> Trace:
     """A copy of the trace holding only the events of replay position `frame`."""
-    return Trace(trace.strategy, trace.model, trace.prompt, trace.params, events_at(trace, frame))
+    return dataclasses.replace(trace, events=events_at(trace, frame))
+
+
+def token_count(trace: Trace) -> int:
+    """Tokens in the trace: the last position of token-by-token stepping."""
+    return sum(isinstance(e, TokenEmitted) for e in trace.events)
+
+
+def trace_at_token(trace: Trace, k: int) -> Trace:
+    """The trace as it was shown with its first `k` tokens (and the detail events that came with them); the
+    whole trace at k >= token_count (keyboard stepping and paced playback use this position)."""
+    k = max(0, int(k))
+    if k >= token_count(trace):
+        return trace
+    cuts = token_cuts(trace.events)
+    return dataclasses.replace(trace, events=trace.events[: cuts[k]])
 
 
 def frame_of_step(trace: Trace, step: int) -> int:

@@ -11,6 +11,7 @@ from dataclasses import asdict
 
 import torch
 
+from lab.branching import BranchPoint, branch_events
 from lab.models import LoadedModel, load_model
 from lab.trace import Event, Trace
 from lab.validation import RunRequest, check_prompt_fits
@@ -35,6 +36,18 @@ def stream_run(request: RunRequest, loaded: LoadedModel, prompt_ids: list[int]) 
     """The strategy's event stream for this request, seeded from the request."""
     generator = make_generator(request.seed, loaded.device)
     return request.strategy.run(loaded, prompt_ids, request.params, generator)
+
+
+def stream_request(request: RunRequest, point: BranchPoint | None = None) -> Iterator[Event]:
+    """Load, encode and stream a request; with a branch point, continue from the parent's prefix and the forced
+    token (lab.branching) instead of from the prompt."""
+    loaded, prompt_ids = prepare(request)
+    if point is None:
+        yield from stream_run(request, loaded, prompt_ids)
+        return
+    check_prompt_fits(loaded, prompt_ids + list(point.prefix_ids), request.params.max_new_tokens)
+    generator = make_generator(request.seed, loaded.device)
+    yield from branch_events(request.strategy.run, loaded, prompt_ids, request.params, generator, point)
 
 
 def new_trace(request: RunRequest, loaded: LoadedModel | None = None) -> Trace:

@@ -566,6 +566,8 @@ class Trace:
     events: list[Event] = field(default_factory=list)
     dtype: str = ""  # e.g. bfloat16 ("" when not recorded)
     precision: str = ""  # weight format of the linears: bf16 (float weights), int8, int4 or a requested "auto"
+    # where this run branched from another (lab.branching.branch_record); None for a run from the prompt
+    branch: dict | None = None
 
     @property
     def text(self) -> str:
@@ -592,6 +594,8 @@ def to_json(trace: Trace) -> str:
         "events": [event_to_dict(e) for e in trace.events],
     }
     payload |= {key: value for key in ("dtype", "precision") if (value := getattr(trace, key))}
+    if trace.branch is not None:  # optional: traces without it (all older ones) load as before
+        payload["branch"] = trace.branch
     return json.dumps(payload, ensure_ascii=False, allow_nan=False)
 
 
@@ -691,7 +695,10 @@ def from_json(text: str | bytes) -> Trace:
     for key in ("dtype", "precision"):
         if not isinstance(payload.get(key, ""), str) or len(payload.get(key, "")) > 40:
             raise TraceError(f"field {key!r} must be a short string")
+    branch = payload.get("branch")
+    if branch is not None and not isinstance(branch, dict):
+        raise TraceError("field 'branch' must be an object")
     events = [event_from_dict(item, i) for i, item in enumerate(payload["events"])]
-    trace = Trace(payload["strategy"], payload["model"], payload["prompt"], payload["params"], events)
+    trace = Trace(payload["strategy"], payload["model"], payload["prompt"], payload["params"], events, branch=branch)
     trace.dtype, trace.precision = payload.get("dtype", ""), payload.get("precision", "")
     return trace

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-START_TIMEOUT_S = 180
+START_TIMEOUT_S = int(os.environ.get("DECODING_LAB_APP_START_S", "180"))  # more on a starved CPU
 
 
 def free_port() -> int:

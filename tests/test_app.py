@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
+import httpx
 import pytest
 from gradio_client import Client
 
@@ -139,11 +141,15 @@ def test_a_full_queue_is_refused_with_a_clear_message():
         deadline = time.time() + 120
         while len(running.outputs()) < 2 and time.time() < deadline:
             time.sleep(0.2)
-        waiting = submit(client, max_new_tokens=2)  # fills the one waiting place
+        waiting = submit(client, prompt="Name one fruit.", max_new_tokens=2)  # fills the one waiting place
         time.sleep(1.0)
-        with pytest.raises(Exception, match="Queue is full"):
-            submit(client, max_new_tokens=2).result(timeout=60)
-        running.cancel()
-        assert waiting.result(timeout=300)[3] is not None
+        with pytest.raises(Exception, match=r"Queue is full: 1 runs are waiting .*you would be #2"):
+            submit(client, prompt="Name one animal.", max_new_tokens=2).result(timeout=60)
+        same = submit(client, prompt="Name one fruit.", max_new_tokens=2)  # identical: joins the waiting run
+        time.sleep(1.0)
+        assert any("#1 in line" in str(update[2]) for update in waiting.outputs()), waiting.outputs()
+        with contextlib.suppress(httpx.TimeoutException):  # a busy server may answer the cancel late; it still acts
+            running.cancel()
+        assert waiting.result(timeout=300)[3] == same.result(timeout=300)[3] is not None
     finally:
         demo.close()

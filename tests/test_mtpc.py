@@ -175,7 +175,7 @@ def test_views_draw_what_the_trace_recorded() -> None:
     _, events = _run(loaded, list(b"views"), params, mtpc_proposer(random_circuit(loaded, seed=1), params, loaded))
     rounds = [e for e in events if isinstance(e, TreeRound)]
     tree = rounds[0]
-    fig = views.tree_figure(events, tree.step)
+    fig = views.tree_figure(events, tree.step, collapse=False)  # every node (collapse folds the pruned ones)
     by_name = {trace.name: trace for trace in fig.data if trace.name}
     assert len(by_name["accepted"].x) == len(tree.accepted)
     drawn = sum(len(by_name[k].x) for k in ("accepted", "rejected", "pruned") if k in by_name)

@@ -277,7 +277,7 @@ def test_the_app_handler_shows_the_message_and_keeps_serving(tmp_path) -> None:
 
     with pytest.raises(gr.Error, match="hidden size 48 vs 32"):
         list(stream_trace(request(bad), time.monotonic() + 60))
-    *_, (trace, final, _) = stream_trace(request(good), time.monotonic() + 60)
+    *_, (trace, final, _, _) = stream_trace(request(good), time.monotonic() + 60)
     assert final and sum(type(e).__name__ == "TokenEmitted" for e in trace.events) == 6
 
 

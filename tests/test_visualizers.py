@@ -133,13 +133,21 @@ def test_topk_grid_shape_and_axes() -> None:
 
 
 def test_topk_cell_labels_distinct_for_repeats_and_escaped() -> None:
-    heat = _heatmap(topk_figure(_events()))
+    heat = _heatmap(topk_figure(_events(), width_px=2000))  # cells wide enough for every token
     flat = [label for row in heat.text for label in row]
     assert len(set(flat)) == len(flat)
     assert heat.text[0][1] != heat.text[0][2]
     assert heat.text[0][1].replace(ZWNJ, "") == heat.text[0][2].replace(ZWNJ, "") == "␣cat"
     assert "<" not in "".join(flat) and "&lt;script&gt;" in heat.text[0][3]
     assert heat.text[2][4].replace(ZWNJ, "") == "⏎"
+
+
+def test_topk_cells_write_tokens_only_when_they_fit() -> None:
+    narrow = _heatmap(topk_figure(_events(), width_px=120))  # 6 cells of ~13 px: hover only
+    assert all(label == "" for row in narrow.text for label in row)
+    assert all("cat" in hover or "step" in hover for row in narrow.customdata for hover in row if hover)
+    medium = _heatmap(topk_figure(_events(), width_px=280))  # ~40 px cells: long tokens shortened
+    assert medium.text[0][3].startswith("&lt;s") and medium.text[0][3].endswith("…")
 
 
 def test_topk_hover_carries_step_rank_token_probability() -> None:

@@ -4,6 +4,7 @@ step inspector and its token-click wiring. Gradio UI code only; the logic lives 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tempfile
@@ -14,14 +15,19 @@ from pathlib import Path
 
 import gradio as gr
 
+from lab import threads
+from lab.branching import BranchError, BranchPoint, branch_record
 from lab.models import ModelLoadError
+from lab.pacing import REALTIME, STEP, PaceControl, Pacer, PaceRegistry
 from lab.params import DecodeParams, InputError
 from lab.presets import MODELS
-from lab.runner import new_trace, prepare, stream_run
-from lab.trace import Trace, TraceError, from_json, summarize, to_json
+from lab.runner import new_trace, stream_request
+from lab.shared_runs import Job, QueueFull, RunHub, Waiting, request_key
+from lab.trace import TokenEmitted, Trace, TraceError, from_json, summarize, to_json
 from lab.validation import RunRequest, validate_request
-from lab.zerogpu import gpu_function
+from lab.zerogpu import gpu_function, zero_gpu_enabled
 from strategies import REGISTRY, by_family
+from ui.layout import MAX_FIGURES
 from visualizers import (
     alternatives_table,
     empty_figure,
@@ -34,7 +40,9 @@ from visualizers import (
 RENDER_INTERVAL_S = 0.2
 # Deployment knobs (environment): the hard limit of one run, the waiting events the queue accepts.
 MAX_RUN_SECONDS = int(os.environ.get("DECODING_LAB_MAX_RUN_S", "300"))
-QUEUE_MAX_SIZE = int(os.environ.get("DECODING_LAB_QUEUE_SIZE", "16"))
+# DECODING_LAB_QUEUE_SIZE: distinct runs that may wait for the model (identical requests share one run and do not
+# count); the default fits a class of 30 students plus the teacher with room to spare.
+QUEUE_MAX_SIZE = int(os.environ.get("DECODING_LAB_QUEUE_SIZE", "32"))
 MEASURE_TIME_LIMIT = 1200
 STATE_TTL_S = 3600
 MAX_PARAMS_JSON_CHARS = 10_000
@@ -44,32 +52,30 @@ MODEL_CHOICES = MODELS  # lab.presets: the embedded model and the known draft / 
 TRACE_DIR = Path(tempfile.gettempdir()) / "decoding-lab-traces"
 MAX_TRACE_FILES = 200
 COMMON_DEFAULTS = DecodeParams()
-MAX_FIGURES = 6  # plot slots: a strategy's main view first, then its detail views
 VIEW_COUNT = 3 + MAX_FIGURES  # token view, figures, stats, text (`view_updates`)
 MODEL_QUEUE = {"concurrency_id": "model", "concurrency_limit": 1, "time_limit": MAX_RUN_SECONDS + 120}
+# Run requests wait inside their handler, in the shared model lane (`lab.shared_runs`), where they see their place
+# in line; Gradio admits this many at once (more wait in Gradio's own queue, which shows its position too).
+RUN_QUEUE = {"concurrency_id": "classroom", "concurrency_limit": QUEUE_MAX_SIZE + 8, "time_limit": 3 * MAX_RUN_SECONDS}
+POLL_S = 0.05
+WAITING_RENDER_S = 1.0
+HUB = RunHub(QUEUE_MAX_SIZE, MAX_RUN_SECONDS, before_run=threads.apply)
+PACE = PaceRegistry()
 # Light work (replay, inspect, learn, history) runs queued in its own unlimited group, so it never waits for the
 # model and its errors (gr.Error) still reach the browser as messages (with queue=False gradio 6.31 answers 500
 # and shows no text). It is refused with the queue-full message only when max_size events are already waiting.
 LIGHT = {"concurrency_id": "light", "concurrency_limit": None, "api_visibility": "private"}
 LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "$", "right": "$", "display": False}]
 ALTERNATIVE_HEADERS = ["rank", "token", "p"]
-# A click on a token span (data-step) of a token view sends {step} with the HTML component's click event.
-TOKEN_CLICK_JS = """
-element.addEventListener('click', (event) => {
-  const span = event.target.closest('[data-step]');
-  if (span && element.contains(span)) trigger('click', {step: Number(span.dataset.step)});
-});
-"""
-CSS = ".dl-token:hover { filter: brightness(0.92); }"
 
 
 # --- model work (inside spaces.GPU on ZeroGPU: plain events out, no figures) ---------------------------------
 
 
-def model_events(request: RunRequest) -> Iterator:
-    """Load the model, encode the prompt and stream the strategy's events; errors surface while iterating."""
-    loaded, prompt_ids = prepare(request)
-    events = stream_run(request, loaded, prompt_ids)
+def model_events(request: RunRequest, point: BranchPoint | None = None) -> Iterator:
+    """Load the model, encode the prompt (and a branch's prefix) and stream the strategy's events; errors surface
+    while iterating."""
+    events = stream_request(request, point)
     try:
         yield from events
     finally:
@@ -79,28 +85,114 @@ def model_events(request: RunRequest) -> Iterator:
 gpu_events = gpu_function(model_events, duration=MAX_RUN_SECONDS)
 
 
-def stream_trace(request: RunRequest, deadline: float) -> Iterator[tuple[Trace, bool, str]]:
-    """(trace, final, status) about every RENDER_INTERVAL_S while the run streams, then once final; bad input
-    or a model that cannot load becomes a gr.Error (the server keeps serving)."""
-    trace = new_trace(request)
-    trace.precision = request.precision  # as requested: the model loads inside the GPU function (ZeroGPU)
-    events = gpu_events(request)
-    last_render, status = 0.0, ""
+def open_job(request: RunRequest, point: BranchPoint | None = None) -> Job:
+    """Join the shared model lane: the run of an identical request (running, waiting or recently finished) or a new
+    one; a full line becomes a clear gr.Error."""
+    forced = repr((point.forced_id, point.forced_text)) if point else ""
+    key = request_key(request, point.prefix_ids if point else (), forced)
+    try:
+        return HUB.submit(key, lambda: gpu_events(request, point), request.params.max_new_tokens)
+    except QueueFull as error:
+        raise gr.Error(str(error), title="Queue full") from None
+
+
+def direct_batches(request: RunRequest, point: BranchPoint | None) -> Iterator[list]:
+    """The events of one run in the request's own thread, without the shared lane: on ZeroGPU, where the
+    spaces.GPU function must run in the handler that asked for the GPU (Gradio's queue then serialises runs)."""
+    events = gpu_events(request, point)
     try:
         for event in events:
-            trace.events.append(event)
+            yield [event]
+    finally:
+        events.close()
+
+
+def waiting_text(place: Waiting) -> str:
+    if place.position <= 0:
+        return "starting…"
+    return (
+        f"⏳ waiting: you are #{place.position} in line ({place.waiting} waiting), "
+        f"about {5 * math.ceil(place.eta_s / 5):.0f} s until your run starts"
+    )
+
+
+def pace_text(pacer: Pacer | None, shown: list, arrived: list, done: bool) -> str:
+    if pacer is None or pacer.caught_up(arrived):
+        return ""
+    pace, _ = pacer.control.snapshot()
+    total = sum(isinstance(e, TokenEmitted) for e in arrived)
+    head = "⏸ step mode: press → or Step" if pace == STEP else f"paced at {pace}"
+    return f"{head} · {pacer.shown} of {total}{'' if done else '+'} tokens shown"
+
+
+def stream_trace(
+    request: RunRequest, deadline: float, point: BranchPoint | None = None, control: PaceControl | None = None
+) -> Iterator[tuple[Trace, bool, str, Trace]]:
+    """(shown trace, final, status, full trace) about every RENDER_INTERVAL_S while the run streams (and while it
+    waits in line: the status says where), then once final. With a PaceControl the events are buffered and the shown
+    trace is released at its pace (the run itself is not slowed); step mode ends when the run has ended, showing the
+    tokens released so far. Bad input or a model that cannot load becomes a gr.Error (the server keeps serving)."""
+    trace = new_trace(request)
+    trace.precision = request.precision  # as requested: the model loads inside the GPU function (ZeroGPU)
+    trace.branch = branch_record(point) if point else None
+    job = open_job(request, point) if not zero_gpu_enabled() else None
+    pacer = Pacer(control) if control else None
+    follow = HUB.follow(job, POLL_S) if job else direct_batches(request, point)
+    last_render, shown_len, status, done, waiting = 0.0, -1, "", False, ""
+    try:
+        while True:
+            item = next(follow, None)
+            done = item is None
+            if isinstance(item, Waiting):  # a new message when the place changes, else once a second
+                text = waiting_text(item)
+                if text != waiting or time.monotonic() - last_render >= WAITING_RENDER_S:
+                    last_render, waiting = time.monotonic(), text
+                    yield trace, False, text, trace
+                continue
+            trace.events.extend(item or [])
             now = time.monotonic()
+            visible = pacer.visible(trace.events, now, done) if pacer else len(trace.events)
             if now > deadline:
                 status = f"stopped at the {MAX_RUN_SECONDS} s limit"
                 break
-            if now - last_render >= RENDER_INTERVAL_S:
-                last_render = now
-                yield trace, False, ""
-    except (InputError, ModelLoadError) as error:
+            caught_up = pacer is None or pacer.caught_up(trace.events)
+            if done and (caught_up or (pacer and pacer.control.snapshot()[0] == STEP)):
+                break
+            if done:
+                time.sleep(POLL_S)
+            paced = pacer is not None and pacer.control.snapshot()[0] != REALTIME  # render every release
+            if visible != shown_len and (paced or now - last_render >= RENDER_INTERVAL_S):
+                last_render, shown_len = now, visible
+                shown = trace_prefix(trace, visible)
+                yield shown, False, pace_text(pacer, shown.events, trace.events, done), trace
+    except (InputError, ModelLoadError, BranchError) as error:
         raise gr.Error(str(error)) from None
     finally:
-        events.close()
-    yield trace, True, status
+        follow.close()
+    status = status or (job.status if job else "")
+    visible = pacer.visible(trace.events, time.monotonic(), True) if pacer else len(trace.events)
+    yield trace_prefix(trace, visible), True, status or pace_text(pacer, [], trace.events, True), trace
+
+
+def trace_prefix(trace: Trace, n: int) -> Trace:
+    """The trace with its first n events (the same object when n covers all of them)."""
+    if n >= len(trace.events):
+        return trace
+    return dataclasses.replace(trace, events=trace.events[:n])
+
+
+def session_pace(request: gr.Request | None) -> PaceControl:
+    """The PaceControl of the browser session making `request`."""
+    return PACE.get(getattr(request, "session_hash", None) or "anonymous")
+
+
+def start_pacing(request: gr.Request | None, pace: str) -> PaceControl:
+    """The session's PaceControl, reset for a new live run at the chosen pace."""
+    control = session_pace(request)
+    control.set_pace(pace)
+    control.step(-control.snapshot()[1])
+    control.live = True
+    return control
 
 
 def checked_request(strategy: str, prompt: str, params: dict, **options) -> RunRequest:
@@ -160,24 +252,28 @@ def write_trace_file(trace_json: str, prefix: str = "trace") -> str:
     return str(path)
 
 
-def view_updates(trace: Trace, status: str = "", selected: int | None = None) -> list:
-    """[token view, main figure, stats, text, detail figures...]: every view of a (partial) trace."""
-    figures = strategy_figures(trace.strategy, trace.events)[:MAX_FIGURES]
+def view_updates(trace: Trace, status: str = "", selected: int | None = None, width_px: float | None = None) -> list:
+    """[token view, main figure, stats, text, detail figures...]: every view of a (partial) trace; `width_px`: the
+    plot width of a narrow column (text in figures is fitted to it)."""
+    figures = strategy_figures(trace.strategy, trace.events, width_px)[:MAX_FIGURES]
     details = [gr.Plot(value=f, visible=True) for f in figures[1:]]
     details += [gr.Plot(visible=False)] * (MAX_FIGURES - len(figures))
     tokens = strategy_token_view(trace.strategy, trace.events, selected)
     return [tokens, figures[0], stats_markdown(trace, status), trace.text, *details]
 
 
-def render(trace: Trace, final: bool, status: str = "") -> list:
+def render(trace: Trace, final: bool, status: str = "", full: Trace | None = None) -> list:
     """One update of the Run tab's outputs (the `/run` API order): token view, main figure, stats, text, trace
-    JSON, trace file, detail figures, then the session's run state. JSON, file and state only at the end."""
+    JSON, trace file, detail figures, then the session's run state. JSON, file and state only at the end, for the
+    `full` trace (default: the one shown); the state's position is the number of tokens shown (keyboard stepping)."""
     tokens, main, stats, text, *details = view_updates(trace, status)
     if not final:
         return [tokens, main, stats, text, gr.skip(), gr.skip(), *details, gr.skip()]
-    trace_json = to_json(trace)
+    full = full or trace
+    trace_json = to_json(full)
     path = write_trace_file(trace_json)
-    state = {"id": uuid.uuid4().hex, "trace": trace, "path": path, "status": status}
+    position = sum(isinstance(e, TokenEmitted) for e in trace.events)
+    state = {"id": uuid.uuid4().hex, "trace": full, "path": path, "status": status, "position": position}
     return [tokens, main, stats, text, trace_json, path, *details, state]
 
 
@@ -211,23 +307,6 @@ def clicked_step(evt: gr.EventData) -> int | None:
     return int(step) if 0 <= step < 10_000_000 else None
 
 
-def build_views(prefix: str) -> dict:
-    """The views of one run: stats, clickable token view, main plot, detail plots, text."""
-    views = {"stats": gr.Markdown(elem_id=f"{prefix}stats")}
-    views["tokens"] = gr.HTML(label="Tokens", elem_id=f"{prefix}token-view", js_on_load=TOKEN_CLICK_JS)
-    views["main"] = gr.Plot(label="Internals", elem_id=f"{prefix}main-plot")
-    views["details"] = [
-        gr.Plot(visible=False, label="Details", elem_id=f"{prefix}detail-plot-{i}") for i in range(1, MAX_FIGURES)
-    ]
-    views["text"] = gr.Textbox(label="Text", lines=4, interactive=False, elem_id=f"{prefix}text")
-    return views
-
-
-def view_list(views: dict) -> list:
-    """Components in `view_updates` order."""
-    return [views["tokens"], views["main"], views["stats"], views["text"], *views["details"]]
-
-
 def build_inspector(prefix: str, open_: bool = False) -> dict:
     """Step inspector: a step number, the strategy's knob (CFG's gamma), its figure and the top-k table."""
     with gr.Accordion(
@@ -240,8 +319,8 @@ def build_inspector(prefix: str, open_: bool = False) -> dict:
             gamma = gr.Slider(
                 0.0, 5.0, value=1.5, step=0.1, label="gamma", visible=False, elem_id=f"{prefix}inspect-gamma"
             )
+        plot = gr.Plot(label="Step detail (full width)", elem_id=f"{prefix}inspect-plot")
         with gr.Row():
-            plot = gr.Plot(label="Step detail", elem_id=f"{prefix}inspect-plot")
             table = gr.Dataframe(
                 headers=ALTERNATIVE_HEADERS, label="Top-k alternatives", elem_id=f"{prefix}alternatives"
             )

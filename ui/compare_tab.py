@@ -18,7 +18,6 @@ from ui.common import (
     MAX_RUN_SECONDS,
     MODEL_QUEUE,
     STATE_TTL_S,
-    TOKEN_CLICK_JS,
     build_inspector,
     checked_request,
     empty_figure,
@@ -28,6 +27,7 @@ from ui.common import (
     view_updates,
     wire_inspector,
 )
+from ui.layout import TOKEN_CLICK_JS
 from visualizers.compare import diff_html
 
 COLUMN_OUTPUTS = 4  # title, token view, stats, main plot
@@ -36,6 +36,9 @@ NUMERICS_NOTE = (
     "multi-token verify forward can round a near-tie the other way, so a late difference can come from numerics."
 )
 DEFAULT_COMPARED = [name for name in ("greedy", "speculative", "sample") if name in REGISTRY][:3]
+
+
+COLUMN_PLOT_PX = 240  # plot width of one of four columns on a 1400 px page
 
 
 def _requests(names: list[str], prompt: str, seed, max_new_tokens, options: dict) -> list:
@@ -47,7 +50,7 @@ def _requests(names: list[str], prompt: str, seed, max_new_tokens, options: dict
 
 
 def _column(trace: Trace, status: str = "") -> list:
-    tokens, main, _stats, _text, *_details = view_updates(trace, status)
+    tokens, main, _stats, _text, *_details = view_updates(trace, status, width_px=COLUMN_PLOT_PX)
     return [f"#### {trace.strategy}", tokens, stats_line(trace, status), main]
 
 
@@ -82,7 +85,7 @@ def compare_runs(names, prompt, seed, max_new_tokens, chat, model, device, dtype
     for index, request in enumerate(requests):
         if time.monotonic() > deadline:
             break
-        for trace, final, status in stream_trace(request, deadline):
+        for trace, final, status, _full in stream_trace(request, deadline):
             if final:
                 traces.append(trace)
                 statuses.append(status)

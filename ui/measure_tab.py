@@ -13,7 +13,7 @@ from lab.measure import DEFAULT_LIMIT, DEFAULT_STRATEGIES, DEFAULT_TOKENS, measu
 from lab.models import ModelLoadError
 from lab.params import InputError
 from strategies import REGISTRY
-from ui.common import LIGHT, MEASURE_TIME_LIMIT, STATE_TTL_S, write_trace_file
+from ui.common import HUB, LIGHT, MEASURE_TIME_LIMIT, STATE_TTL_S, write_trace_file
 from visualizers.measure import acceptance_speedup_figure, quality_throughput_figure, selection_matrix_figure
 
 EXPLAIN = (
@@ -51,16 +51,17 @@ def figures(result: dict | None, language: str) -> list:
 def run_measure(names, limit, tokens, model, device, dtype, precision, language, progress=gr.Progress()):
     """Benchmark the selected strategies; progress goes to the bar."""
     try:
-        result = measure(
-            list(names or []),
-            limit=int(limit),
-            max_new_tokens=int(tokens),
-            model=model,
-            device=device,
-            dtype=dtype,
-            precision=precision,
-            progress=lambda fraction, message: progress(fraction, desc=message),
-        )
+        with HUB.model_lock:  # never beside a Run of the shared model lane
+            result = measure(
+                list(names or []),
+                limit=int(limit),
+                max_new_tokens=int(tokens),
+                model=model,
+                device=device,
+                dtype=dtype,
+                precision=precision,
+                progress=lambda fraction, message: progress(fraction, desc=message),
+            )
     except (InputError, ModelLoadError) as error:
         raise gr.Error(str(error)) from None
     path = write_trace_file(json.dumps(result, ensure_ascii=False, indent=1), prefix="measure")

@@ -15,11 +15,11 @@ from ui.common import (
     STATE_TTL_S,
     VIEW_COUNT,
     build_inspector,
-    build_views,
-    view_list,
     view_updates,
     wire_inspector,
 )
+from ui.layout import PRESENT_JS, build_views, step_buttons, view_list
+from visualizers import display_token
 
 
 def describe(trace: Trace, source: str) -> str:
@@ -27,8 +27,21 @@ def describe(trace: Trace, source: str) -> str:
     prompt = trace.prompt if len(trace.prompt) <= 120 else trace.prompt[:120] + "…"
     return (
         f"**{source}**: strategy `{trace.strategy}`, model `{trace.model}`, {len(trace.events)} events in "
-        f"{frames} steps.  \n*Prompt:* {prompt}"
+        f"{frames} steps.  \n*Prompt:* {prompt}" + branch_note(trace)
     )
+
+
+def branch_note(trace: Trace) -> str:
+    """Where a branch trace left its parent run (an optional trace field; older traces have none)."""
+    branch = trace.branch or {}
+    if not branch:
+        return ""
+    at = branch.get("at_token")
+    replaced, forced = (
+        display_token(str(branch.get("replaced_text", ""))),
+        display_token(str(branch.get("forced_text", ""))),
+    )
+    return f"  \n*Branched* at token {at + 1 if isinstance(at, int) else '?'} of its parent run: {replaced} → {forced}"
 
 
 def frame_outputs(trace: Trace, frame: int) -> list:
@@ -75,6 +88,14 @@ def on_seek(value: dict | None, frame: float) -> list:
     return frame_outputs(value["trace"], int(frame or 0))
 
 
+def on_step(value: dict | None, frame: float, delta: int) -> list:
+    """One step back or forward (the ◀ / ▶ buttons and the arrow keys)."""
+    if not value:
+        return [gr.skip()] * (VIEW_COUNT + 1)
+    target = max(0, min(int(frame or 0) + delta, replay.frame_count(value["trace"])))
+    return [target, *frame_outputs(value["trace"], target)]
+
+
 def on_play(value: dict | None, frame: float) -> list:
     """Start the timer; from step 0 when the replay is at its end."""
     if not value:
@@ -108,7 +129,9 @@ def build_replay_tab() -> dict:
     with gr.Row():
         play = gr.Button("▶ Play", elem_id="replay-play", scale=0, min_width=90)
         pause = gr.Button("⏸ Pause", elem_id="replay-pause", scale=0, min_width=90)
+        back, nxt = step_buttons("replay-")
         slider = gr.Slider(0, 1, value=0, step=1, label="step", elem_id="replay-slider")
+        present = gr.Button("Presentation mode", elem_id="replay-present-button", scale=0, min_width=170)
     views = build_views("replay-")
     inspector = build_inspector("replay-")
     state = gr.State(None, time_to_live=STATE_TTL_S)
@@ -119,6 +142,10 @@ def build_replay_tab() -> dict:
     example.input(on_example, [example], loaded, **LIGHT)
     open_run.click(on_history, [records_state, records], loaded, **LIGHT)
     slider.release(on_seek, [state, slider], view_list(views), **LIGHT)
+    steps = {**LIGHT, "concurrency_id": "replay-step", "concurrency_limit": 1}  # presses in order
+    back.click(lambda v, f: on_step(v, f, -1), [state, slider], [slider, *view_list(views)], **steps)
+    nxt.click(lambda v, f: on_step(v, f, 1), [state, slider], [slider, *view_list(views)], **steps)
+    present.click(None, None, None, js=PRESENT_JS)
     play.click(on_play, [state, slider], [timer, slider], **LIGHT)
     pause.click(lambda: gr.Timer(active=False), None, [timer], **LIGHT)
     timer.tick(on_tick, [state, slider], [timer, slider, *view_list(views)], **LIGHT)

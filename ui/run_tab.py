@@ -10,46 +10,64 @@ import time
 
 import gradio as gr
 
+from lab import replay
 from lab.controls import dependencies, visibility
 from lab.models import EMBEDDED_MODEL
+from lab.pacing import PACES, REALTIME
 from lab.params import param_specs
 from lab.presets import DEFAULTS, preset_values, presets_for
 from lab.prompts import BUILTIN_PROMPTS
 from lab.quant import PRECISIONS
 from lab.runner import new_trace
 from strategies import REGISTRY
+from ui.branch_panel import build_branch_panel, wire_branch_panel
 from ui.common import (
     COMMON_DEFAULTS,
     LIGHT,
-    MAX_FIGURES,
     MAX_PARAMS_JSON_CHARS,
     MAX_RUN_SECONDS,
     MODEL_CHOICES,
-    MODEL_QUEUE,
+    RUN_QUEUE,
     STATE_TTL_S,
     build_inspector,
-    build_views,
     checked_request,
     empty_figure,
     render,
+    session_pace,
+    start_pacing,
     stats_markdown,
     strategy_choices,
     strategy_info,
     stream_trace,
+    view_updates,
     wire_inspector,
 )
+from ui.layout import MAX_FIGURES, PRESENT_JS, build_views, step_buttons, view_list
 
 
 def stream_outputs(
-    strategy: str, prompt: str, params: dict, chat: bool, seed, model: str, device: str, dtype: str, precision="auto"
+    strategy: str,
+    prompt: str,
+    params: dict,
+    chat: bool,
+    seed,
+    model: str,
+    device: str,
+    dtype: str,
+    precision="auto",
+    control=None,
 ):
-    """Validate, then stream throttled renders of the strategy's events until it ends, is stopped or times out."""
+    """Validate, then stream throttled renders of the strategy's events until it ends, is stopped or times out;
+    with a PaceControl the renders follow its pace (the run itself is not slowed)."""
     options = {"chat": chat, "seed": seed, "model": model, "device": device, "dtype": dtype, "precision": precision}
     request = checked_request(strategy, prompt, params, **options)
     loading = stats_markdown(new_trace(request), f"loading {request.model} …")
     yield [gr.skip(), empty_figure(), loading, "", gr.skip(), gr.skip()] + [gr.skip()] * MAX_FIGURES
-    for trace, final, status in stream_trace(request, time.monotonic() + MAX_RUN_SECONDS):
-        yield render(trace, final, status)
+    for shown, final, status, full in stream_trace(request, time.monotonic() + MAX_RUN_SECONDS, control=control):
+        update = render(shown, final, status, full)
+        if final:
+            update[-1]["request"] = request
+        yield update
 
 
 def parse_params_json(params_json: str | None) -> dict:
@@ -198,39 +216,96 @@ def wire_settings(ui: dict) -> None:
 
 def build_run_tab() -> dict:
     """The Run tab's components and its model events (the app chains the history onto them)."""
-    with gr.Row():
-        with gr.Column(scale=2, min_width=320):
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=1, min_width=280, elem_id="run-settings"):
             ui = build_settings()
-        with gr.Column(scale=3):
-            ui["prompt"] = gr.Textbox(label="Prompt", lines=4, placeholder="Ask the model something…", elem_id="prompt")
-            ui["chat"] = gr.Checkbox(value=True, label="Wrap in the model's chat template", elem_id="chat")
-            with gr.Row():
-                run = gr.Button("Run", variant="primary", elem_id="run-button")
-                stop = gr.Button("Stop", variant="stop", elem_id="stop-button")
+        with gr.Column(scale=4, min_width=320):
+            with gr.Row(equal_height=False):
+                ui["prompt"] = gr.Textbox(
+                    label="Prompt", lines=2, placeholder="Ask the model something…", elem_id="prompt", scale=5
+                )
+                with gr.Column(scale=1, min_width=150):
+                    run = gr.Button("Run", variant="primary", elem_id="run-button")
+                    stop = gr.Button("Stop", variant="stop", elem_id="stop-button")
+            with gr.Row(equal_height=True):
+                ui["chat"] = gr.Checkbox(value=True, label="chat template", elem_id="chat", scale=0, min_width=140)
+                ui["pace"] = gr.Radio(list(PACES), value=REALTIME, label="Pace", elem_id="pace", scale=3)
+                ui["back"], ui["next"] = step_buttons("")
+                present = gr.Button("Presentation mode", elem_id="present-button", scale=0, min_width=170)
             views = build_views("")
             inspector = build_inspector("")
-            trace_file = gr.File(label="Trace (JSON)", interactive=False, elem_id="trace-file")
+            branch = build_branch_panel()
+            with gr.Row(elem_classes=["dl-hide-present"]):
+                trace_file = gr.File(label="Trace (JSON)", interactive=False, elem_id="trace-file")
             trace_json = gr.Textbox(visible=False)
-            gr.Examples([[p.text] for p in BUILTIN_PROMPTS], inputs=[ui["prompt"]], label="Example prompts")
+            with gr.Group(elem_classes=["dl-hide-present"]):
+                gr.Examples([[p.text] for p in BUILTIN_PROMPTS], inputs=[ui["prompt"]], label="Example prompts")
             api_inputs, api_trigger = build_api_inputs()
     ui["state"] = gr.State(None, time_to_live=STATE_TTL_S)
     wire_settings(ui)
     controls = ui["controls"]
 
-    def run_ui(model_, device_, dtype_, precision_, strategy_, prompt_, chat_, max_new_, seed_, *values):
+    def run_ui(
+        request: gr.Request, model_, device_, dtype_, precision_, strategy_, prompt_, chat_, max_new_, seed_, pace_,
+        *values,
+    ):  # fmt: skip
         params = {p: v for (s, p, _), v in zip(controls, values, strict=True) if s == strategy_}
         params["max_new_tokens"] = max_new_
-        yield from stream_outputs(strategy_, prompt_, params, chat_, seed_, model_, device_, dtype_, precision_)
+        control = start_pacing(request, pace_)
+        try:
+            yield from stream_outputs(
+                strategy_, prompt_, params, chat_, seed_, model_, device_, dtype_, precision_, control
+            )
+        finally:
+            control.live = False
 
     outputs = [views["tokens"], views["main"], views["stats"], views["text"], trace_json, trace_file]
     outputs += [*views["details"], ui["state"]]
-    keys = ("model", "device", "dtype", "precision", "strategy", "prompt", "chat", "max_new_tokens", "seed")
+    keys = ("model", "device", "dtype", "precision", "strategy", "prompt", "chat", "max_new_tokens", "seed", "pace")
     ui_inputs = [ui[k] for k in keys] + [c for _, _, c in controls]
     ui["events"] = [
-        run.click(run_ui, ui_inputs, outputs, api_visibility="private", **MODEL_QUEUE),
-        ui["prompt"].submit(run_ui, ui_inputs, outputs, api_visibility="private", **MODEL_QUEUE),
-        api_trigger.click(run_api, api_inputs, outputs, api_name="run", **MODEL_QUEUE),
+        run.click(run_ui, ui_inputs, outputs, api_visibility="private", **RUN_QUEUE),
+        ui["prompt"].submit(run_ui, ui_inputs, outputs, api_visibility="private", **RUN_QUEUE),
+        api_trigger.click(run_api, api_inputs, outputs, api_name="run", **RUN_QUEUE),
     ]
-    stop.click(None, None, None, cancels=ui["events"])
+    present.click(None, None, None, js=PRESENT_JS)
+    wire_stepping(ui, views)
     wire_inspector(inspector, ui["state"], [(views["tokens"], lambda state: state["trace"] if state else None)])
+    wire_branch_panel(branch, ui["state"], views["tokens"], ui["pace"])
+    ui["branch"] = branch
+    stop.click(None, None, None, cancels=[*ui["events"], branch["event"]])
     return ui
+
+
+def wire_stepping(ui: dict, views: dict) -> None:
+    """The pace radio reaches a live run; ◀ / ▶ (and the arrow keys) release a token in step mode while a run
+    streams, and otherwise step through the finished run token by token."""
+
+    def on_pace(request: gr.Request, pace: str):
+        session_pace(request).set_pace(pace)
+
+    ui["pace"].change(on_pace, [ui["pace"]], None, **LIGHT)
+    outputs = [*view_list(views), ui["state"]]
+
+    def step(request: gr.Request, state: dict | None, delta: int):
+        control = session_pace(request)
+        if getattr(control, "live", False):
+            control.step(delta)
+            return [gr.skip()] * len(outputs)
+        if not state:
+            return [gr.skip()] * len(outputs)
+        position = max(0, min(state.get("position", 0) + delta, replay.token_count(state["trace"])))
+        shown = replay.trace_at_token(state["trace"], position)
+        return [*view_updates(shown, state.get("status", "")), {**state, "position": position}]
+
+    def back(request: gr.Request, state: dict | None):
+        return step(request, state, -1)
+
+    def forward(request: gr.Request, state: dict | None):
+        return step(request, state, 1)
+
+    # every press counts (Gradio's default trigger_mode "once" drops a press made while the last one is pending), and
+    # one at a time, so two quick presses do not both read the same position from the session's state
+    steps = {**LIGHT, "concurrency_id": "step", "concurrency_limit": 1, "trigger_mode": "multiple"}
+    ui["back"].click(back, [ui["state"]], outputs, **steps)
+    ui["next"].click(forward, [ui["state"]], outputs, **steps)

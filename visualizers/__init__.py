@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from inspect import signature
 
 import plotly.graph_objects as go
 
@@ -84,9 +85,16 @@ def strategy_view(strategy_name: str) -> StrategyView:
     return VIEWS.get(strategy_name, BASELINE_VIEW)
 
 
-def strategy_figures(strategy_name: str, events: list[Event]) -> list[go.Figure]:
-    """Every live figure of a strategy, main view first."""
-    return [figure(events) for figure in strategy_view(strategy_name).figures]
+def strategy_figures(strategy_name: str, events: list[Event], width_px: float | None = None) -> list[go.Figure]:
+    """Every live figure of a strategy, main view first; `width_px` (the plot width a narrow column gives) goes to
+    the figures that fit their text to it."""
+    figures = strategy_view(strategy_name).figures
+    if width_px is None:
+        return [figure(events) for figure in figures]
+    return [
+        figure(events, width_px=width_px) if "width_px" in signature(figure).parameters else figure(events)
+        for figure in figures
+    ]
 
 
 def strategy_figure(strategy_name: str, events: list[Event]) -> go.Figure:

@@ -22,6 +22,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from lab.trace import Event, LayerContrast
+from visualizers.labels import NARROW_PLOT_PX, cell_text
 from visualizers.style import STATUS_COLORS, base_layout, display_token, distinct_labels
 from visualizers.topk import empty_figure
 
@@ -130,14 +131,17 @@ def _lens_grid(steps: list[LayerContrast], layers: list[int]) -> tuple[list[list
     return z, text, hover
 
 
-def lens_figure(events: list[Event], max_steps: int = MAX_LENS_STEPS) -> go.Figure:
-    """Logit-lens grid: top-1 token of each layer's early exit at each generated position (text in cells)."""
+def lens_figure(events: list[Event], max_steps: int = MAX_LENS_STEPS, width_px: float = NARROW_PLOT_PX) -> go.Figure:
+    """Logit-lens grid: top-1 token of each layer's early exit at each generated position (the token written in
+    cells wide enough at a plot `width_px`; hover always has it)."""
     steps = contrast_steps(events)[-max(1, max_steps) :]
     title = "Logit lens: top-1 token per layer (highlighted = agrees with the final layer)"
     if not steps:
         return empty_figure(title, PLACEHOLDER)
     layers = sorted({layer for e in steps for layer in e.lens_layers})
     z, text, hover = _lens_grid(steps, layers)
+    height = max(300, 80 + 18 * len(layers))
+    text = cell_text(text, len(steps), len(layers), width_px, height - 88, font=9)  # tokens only where they fit
     heatmap = go.Heatmap(
         x=[e.step for e in steps],
         y=layers,
@@ -154,7 +158,7 @@ def lens_figure(events: list[Event], max_steps: int = MAX_LENS_STEPS) -> go.Figu
         xgap=1,
         ygap=1,
     )
-    fig = go.Figure([heatmap], layout=base_layout(title, height=max(300, 80 + 18 * len(layers))))
+    fig = go.Figure([heatmap], layout=base_layout(title, height=height))
     fig.update_xaxes(title_text="step", showgrid=False)
     fig.update_yaxes(title_text="layer", type="category", categoryorder="array", categoryarray=layers)
     return fig

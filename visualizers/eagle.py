@@ -25,12 +25,14 @@ import math
 import plotly.graph_objects as go
 
 from lab.trace import EagleDraft, Event, TreeRound
-from visualizers.heads import layered_y
+from visualizers.labels import LABEL_FONT, WIDE_PLOT_PX
 from visualizers.style import PROBABILITY_COLORSCALE, STATUS_COLORS, base_layout, display_token
 from visualizers.topk import empty_figure
+from visualizers.treeview import TreeLayout, apply_frame
 from visualizers.view import StrategyView
 
 PLACEHOLDER = "No EAGLE rounds yet"
+SLIDER_MARGIN = 200  # px under the tree: axis title, the phase slider and its labels, the legend
 BINS = 10
 CUT = "cut by rerank"
 VERIFIED = "verified, not accepted"
@@ -73,73 +75,98 @@ def _hover(d: EagleDraft, tree: TreeRound | None, i: int) -> str:
     return "<br>".join(lines)
 
 
-def _edges(d: EagleDraft, ys: list[float], nodes: list[int]) -> go.Scatter:
+def _layout(d: EagleDraft, tree: TreeRound | None, width: float | None) -> tuple[TreeLayout, dict]:
+    """The layout of the kept nodes with the candidates cut by the rerank folded into one "+n" node per parent,
+    and the labels that fit (fitted once, for the verified tree; every frame shows a subset of those nodes)."""
+    depths = [depth + 1 for depth in d.depths]  # x: 0 = the committed root
+    lay = TreeLayout.build(d.parents, depths, {i for i in range(len(d.tokens)) if d.kept[i] >= 0}, root_x=0.0)
+    lay.make_room(SLIDER_MARGIN)
+    last = next((i for i in lay.shown if tree is not None and tree.accepted and d.kept[i] == tree.accepted[-1]), -1)
+    lay.x["next"], lay.y["next"] = (depths[last] + 1, lay.y[last]) if last >= 0 else (1.0, lay.y["root"])
+    groups = [("group", g) for g in range(len(lay.groups))]
+    keys = ["root", "next", *lay.shown, *groups]
+    texts = ["root", _shown(tree.next_text) if tree else "", *(_shown(d.texts[i]) for i in lay.shown)]
+    texts += [f"+{len(hidden)}" for _, hidden in lay.groups]
+    accepted = {i for i in lay.shown if _status(d, tree, i) == "accepted"}
+    priority = [100.0, 99.0, *((50.0 if i in accepted else 0.0) + d.scores[i] for i in lay.shown)]
+    priority += [-100.0] * len(groups)
+    return lay, lay.labels(keys, texts, priority, width=width)
+
+
+def _edges(d: EagleDraft, lay: TreeLayout, keys: list) -> go.Scatter:
     xs, yy = [], []
-    for i in nodes:
-        parent = d.parents[i]
-        xs += [d.depths[i], d.depths[i] + 1, None]
-        yy += [ys[parent], ys[i], None]
-    return go.Scatter(
-        x=xs, y=yy, mode="lines", line={"color": "#cbd5e1", "width": 1}, hoverinfo="skip", showlegend=False
-    )
+    for key in keys:
+        parent = d.parents[key] if isinstance(key, int) else lay.groups[key[1]][0]
+        start = "root" if parent < 0 else parent
+        xs += [lay.x[start], lay.x[key], None]
+        yy += [lay.y[start], lay.y[key], None]
+    line = {"color": "#cbd5e1", "width": 1}
+    return go.Scatter(x=xs, y=yy, mode="lines", line=line, hoverinfo="skip", showlegend=False)
 
 
-def _nodes(d: EagleDraft, tree, ys: list[float], nodes: list[int], name: str, color) -> go.Scatter:
-    outline = [2.5 if d.expanded[i] else 0.5 for i in nodes]
+def _group_hover(d: EagleDraft, hidden: list[int]) -> str:
+    best = sorted(hidden, key=lambda i: -d.scores[i])[:10]
+    rows = "<br>".join(f"{_shown(d.texts[i])}: c(x) = {d.scores[i]:.2f}" for i in best)
+    return f"{len(hidden)} candidates cut by the rerank (best shown):<br>{rows}"
+
+
+def _nodes(d: EagleDraft, tree, lay: TreeLayout, labels: dict, keys: list, name: str, color) -> go.Scatter:
+    outline = [2.5 if isinstance(k, int) and d.expanded[k] else 0.5 for k in keys]
     marker = {"size": 14, "color": color, "line": {"width": outline, "color": "#0f172a"}}
     if not isinstance(color, str):
         marker.update(colorscale=PROBABILITY_COLORSCALE, cmin=0, cmax=1, colorbar={"title": "exp c(x)", "len": 0.6})
+    hovers = [_hover(d, tree, k) if isinstance(k, int) else _group_hover(d, lay.groups[k[1]][1]) for k in keys]
     return go.Scatter(
-        x=[d.depths[i] + 1 for i in nodes],
-        y=[ys[i] for i in nodes],
+        x=[lay.x[k] for k in keys],
+        y=[lay.y[k] for k in keys],
         mode="markers+text",
         name=name,
-        text=[_shown(d.texts[i]) for i in nodes],
+        text=[labels[k] for k in keys],
         textposition="middle right",
+        textfont={"size": LABEL_FONT},
         marker=marker,
-        hovertext=[_hover(d, tree, i) for i in nodes],
+        hovertext=hovers,
         hoverinfo="text",
     )
 
 
-def _phase(d: EagleDraft, tree: TreeRound | None, ys: list[float], phase: str, level: int) -> list[go.Scatter]:
+def _phase(d: EagleDraft, tree: TreeRound | None, lay: TreeLayout, labels: dict, phase: str, level: int) -> list:
     """The traces of one slider position: growth up to `level`, the rerank cut or the verified tree."""
-    n = len(d.tokens)
+    groups = [("group", g) for g in range(len(lay.groups))]
     root = go.Scatter(
-        x=[0],
-        y=[ys[-1]],
+        x=[lay.x["root"]],
+        y=[lay.y["root"]],
         mode="markers+text",
         name="root (committed)",
-        text=["root"],
+        text=[labels["root"]],
         textposition="middle left",
+        textfont={"size": LABEL_FONT},
         marker={"size": 14, "color": STATUS_COLORS["target"]},
     )
     if phase == "grow":
-        shown = [i for i in range(n) if d.depths[i] <= level]
+        shown = [i for i in lay.shown if d.depths[i] <= level]
+        shown_groups = [g for g in groups if lay.x[g] - 1 <= level]
         colors = [math.exp(d.scores[i]) for i in shown]
-        return [_edges(d, ys, shown), root, _nodes(d, tree, ys, shown, "candidate (colour = exp c(x))", colors)]
-    traces = [_edges(d, ys, list(range(n))), root]
-    statuses = [CUT, "accepted"] if phase == "rerank" else [CUT, VERIFIED, "accepted"]
+        traces = [_edges(d, lay, shown + shown_groups), root]
+        traces.append(_nodes(d, tree, lay, labels, shown, "candidate (colour = exp c(x))", colors))
+        return traces + [_nodes(d, tree, lay, labels, shown_groups, CUT, PHASE_COLORS[CUT])]
+    traces = [_edges(d, lay, lay.shown + groups), root]
+    statuses = ["kept"] if phase == "rerank" else [VERIFIED, "accepted"]
     for status in statuses:
-        if phase == "rerank":
-            nodes = [i for i in range(n) if (d.kept[i] >= 0) == (status != CUT)]
-            name = "kept" if status != CUT else CUT
-        else:
-            nodes = [i for i in range(n) if _status(d, tree, i) == status]
-            name = status
-        color = STATUS_COLORS["bonus"] if phase == "rerank" and status != CUT else PHASE_COLORS[status]
-        traces.append(_nodes(d, tree, ys, nodes, name, color))
+        nodes = lay.shown if status == "kept" else [i for i in lay.shown if _status(d, tree, i) == status]
+        color = STATUS_COLORS["bonus"] if status == "kept" else PHASE_COLORS[status]
+        traces.append(_nodes(d, tree, lay, labels, nodes, status, color))
+    traces.append(_nodes(d, tree, lay, labels, groups, CUT, PHASE_COLORS[CUT]))
     if phase == "verify" and tree is not None:
-        last = next((i for i in range(n) if d.kept[i] == (tree.accepted[-1] if tree.accepted else -2)), -1)
-        x, y = (d.depths[last] + 2, ys[last]) if last >= 0 else (1, ys[-1])
         traces.append(
             go.Scatter(
-                x=[x],
-                y=[y],
+                x=[lay.x["next"]],
+                y=[lay.y["next"]],
                 mode="markers+text",
                 name=f"target's {tree.next_source}",
-                text=[_shown(tree.next_text)],
+                text=[labels["next"]],
                 textposition="middle right",
+                textfont={"size": LABEL_FONT},
                 marker={"size": 14, "symbol": "diamond", "color": STATUS_COLORS[tree.next_source]},
                 hovertext=[f"{tree.next_source}: {_shown(tree.next_text)}"],
                 hoverinfo="text",
@@ -148,18 +175,19 @@ def _phase(d: EagleDraft, tree: TreeRound | None, ys: list[float], phase: str, l
     return traces
 
 
-def growth_figure(events: list[Event], step: int | None = None) -> go.Figure:
-    """One round's draft tree: growth depth by depth, the rerank cut, then verification (slider)."""
+def growth_figure(events: list[Event], step: int | None = None, width: float | None = None) -> go.Figure:
+    """One round's draft tree: growth depth by depth, the rerank cut, then verification (slider). Candidates cut by
+    the rerank are folded into one "+n" node per parent (their best ones on hover)."""
     picked = _pick(events, step)
     title = "EAGLE-2 draft tree: growth, rerank, verification"
     if picked is None or not picked[0].tokens:
         return empty_figure(title, PLACEHOLDER, height=420)
     d, tree = picked
-    ys = layered_y(d.parents)
+    lay, labels = _layout(d, tree, width)
     levels = max(d.depths) + 1
     phases = [("grow", level, f"depth {level}") for level in range(levels)]
     phases += [("rerank", 0, f"rerank (keep {sum(k >= 0 for k in d.kept)})"), ("verify", 0, "verified")]
-    frames = [go.Frame(data=_phase(d, tree, ys, kind, level), name=label) for kind, level, label in phases]
+    frames = [go.Frame(data=_phase(d, tree, lay, labels, kind, level), name=label) for kind, level, label in phases]
     fig = go.Figure(data=frames[-1].data, frames=frames)
     slider_steps = [
         {
@@ -173,13 +201,17 @@ def growth_figure(events: list[Event], step: int | None = None) -> go.Figure:
         for _, _, label in phases
     ]
     accepted = len(tree.accepted) if tree else 0
-    layout = base_layout(f"{title} · round {d.step}: {accepted} accepted of {sum(k >= 0 for k in d.kept)}", 460)
+    kept = sum(k >= 0 for k in d.kept)
+    fig.update_layout(**base_layout(f"{title} · round {d.step}: {accepted} accepted of {kept}", lay.height))
+    apply_frame(fig, lay)
+    plot_h = lay.height - SLIDER_MARGIN - 48
     fig.update_layout(
-        **layout,
-        sliders=[{"active": len(phases) - 1, "steps": slider_steps, "y": -0.05, "currentvalue": {"prefix": "show: "}}],
+        sliders=[
+            {"active": len(phases) - 1, "steps": slider_steps, "y": -40 / plot_h, "currentvalue": {"prefix": "show: "}}
+        ],
+        legend={"y": -150 / plot_h},
     )
-    fig.update_xaxes(title="depth (0 = committed root)", dtick=1, range=[-0.5, levels + 1.8])
-    fig.update_yaxes(visible=False)
+    fig.update_xaxes(title="depth (0 = committed root)", dtick=1)
     return fig
 
 
@@ -321,8 +353,8 @@ def tau_figure(events: list[Event]) -> go.Figure:
 
 
 def inspect_round(events: list[Event], step: int) -> go.Figure:
-    """The app's step inspector: the growth figure of the round that emitted `step`'s tokens."""
-    return growth_figure(events, step)
+    """The app's step inspector: the growth figure of the round that emitted `step`'s tokens, at full width."""
+    return growth_figure(events, step, width=WIDE_PLOT_PX)
 
 
 VIEWS = {

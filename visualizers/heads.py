@@ -26,8 +26,10 @@ from collections import Counter
 import plotly.graph_objects as go
 
 from lab.trace import Event, MixtureRound, TokenEmitted, TreeRound
+from visualizers.labels import LABEL_FONT, NARROW_PLOT_PX, WIDE_PLOT_PX, cell_text
 from visualizers.style import PROBABILITY_COLORSCALE, STATUS_COLORS, base_layout, display_token, distinct_labels
 from visualizers.topk import empty_figure
+from visualizers.treeview import TreeLayout, apply_frame
 from visualizers.view import StrategyView
 
 PLACEHOLDER = "Run Medusa or MTPC to see its candidate trees."
@@ -86,50 +88,75 @@ def _hover(tree: TreeRound, i: int, status: str) -> str:
     )
 
 
-def tree_figure(events: list[Event], step: int | None = None) -> go.Figure:
-    """Candidate tree of one round: nodes by status, edges, the root and the target's next token."""
+def tree_figure(events: list[Event], step: int | None = None, collapse: bool = True, width: float | None = None):
+    """Candidate tree of one round: nodes by status, edges, the root and the target's next token. With `collapse`,
+    the branches never reached (pruned) are folded into one "+n" node under the rejected node they hang from;
+    labels are written where they fit at the plot `width` (px, default the narrow side-by-side width)."""
     title = "Candidate tree"
+    if step is None:  # the latest round that drafted anything (the last one may have had no budget left)
+        step = next((e.step for e in reversed(events) if isinstance(e, TreeRound) and e.tokens), None)
     tree = _round(events, step)
     if tree is None:
         return empty_figure(title, PLACEHOLDER, height=380)
-    ys, status = layered_y(tree.parents), node_status(tree)
-    root_y = ys[-1]
-    edge_x, edge_y = [], []
-    for i, parent in enumerate(tree.parents):
-        edge_x += [tree.depths[i] - 1 if parent < 0 else tree.depths[parent], tree.depths[i], None]
-        edge_y += [root_y if parent < 0 else ys[parent], ys[i], None]
-    fig = go.Figure(
-        go.Scatter(x=edge_x, y=edge_y, mode="lines", line={"color": "#cbd5e1", "width": 1}, hoverinfo="skip")
-    )
-    fig.data[0].showlegend = False
-    fig.add_trace(_marker([-1], [root_y], [tree.root_text], "root (last token)", STATUS_COLORS["target"], ["root"]))
-    for kind in ("accepted", "rejected", "pruned"):
-        nodes = [i for i in range(len(tree.tokens)) if status[i] == kind]
-        xs, yv = [tree.depths[i] for i in nodes], [ys[i] for i in nodes]
-        hovers = [_hover(tree, i, kind) for i in nodes]
-        fig.add_trace(_marker(xs, yv, [tree.texts[i] for i in nodes], kind, STATUS_COLORS[kind], hovers))
+    status = node_status(tree)
+    keep = {i for i, s in enumerate(status) if s != "pruned"} if collapse else set(range(len(status)))
+    lay = TreeLayout.build(tree.parents, tree.depths, keep, root_x=-1.0)
     last = tree.accepted[-1] if tree.accepted else None
-    nx, ny = (tree.depths[last] + 1, ys[last]) if last is not None else (0, root_y)
+    lay.x["next"], lay.y["next"] = (tree.depths[last] + 1, lay.y[last]) if last is not None else (0, lay.y["root"])
+    groups = [("group", g) for g in range(len(lay.groups))]
+    keys = ["root", "next", *lay.shown, *groups]
+    texts = [_shown(tree.root_text), _shown(tree.next_text), *(_shown(tree.texts[i]) for i in lay.shown)]
+    texts += [f"+{len(hidden)}" for _, hidden in lay.groups]
+    rank = {"accepted": 50.0, "rejected": 10.0, "pruned": 0.0}
+    priority = [100.0, 99.0, *(rank[status[i]] + tree.q[i] for i in lay.shown), *([-1.0] * len(groups))]
+    labels = lay.labels(keys, texts, priority, width=width)
+    fig = go.Figure(_tree_edges(tree, lay))
+    fig.add_trace(_marker(lay, ["root"], labels, "root (last token)", STATUS_COLORS["target"], ["root"]))
+    fig.data[-1].textposition = "middle left"
+    for kind in ("accepted", "rejected", "pruned"):
+        nodes = [i for i in lay.shown if status[i] == kind]
+        hovers = [_hover(tree, i, kind) for i in nodes]
+        fig.add_trace(_marker(lay, nodes, labels, kind, STATUS_COLORS[kind], hovers))
+    if groups:
+        hovers = [_group_hover(tree, hidden) for _, hidden in lay.groups]
+        fig.add_trace(_marker(lay, groups, labels, "pruned (collapsed)", STATUS_COLORS["pruned"], hovers))
     name = html.escape(display_token(tree.next_text, escape=False))
     hover = [f"<b>{name}</b>: the target's token ({tree.next_source})"]
-    fig.add_trace(_marker([nx], [ny], [tree.next_text], tree.next_source, STATUS_COLORS[tree.next_source], hover))
+    fig.add_trace(_marker(lay, ["next"], labels, tree.next_source, STATUS_COLORS[tree.next_source], hover))
     fig.data[-1].marker.symbol = "diamond"
     subtitle = f"round {tree.step} ({tree.method}, {tree.mode}): {len(tree.tokens)} nodes, {len(tree.accepted)} kept"
-    fig.update_layout(**base_layout(f"{title}, {subtitle}", 380))
+    fig.update_layout(**base_layout(f"{title}, {subtitle}", lay.height))
+    apply_frame(fig, lay)
     ticks = list(range(-1, max(tree.depths, default=-1) + 3))
     fig.update_xaxes(title="draft position", tickvals=ticks, ticktext=["root"] + [str(t + 1) for t in ticks[1:]])
-    fig.update_yaxes(visible=False)
     return fig
 
 
-def _marker(xs, ys, texts, name: str, color: str, hovers) -> go.Scatter:
+def _tree_edges(tree: TreeRound, lay: TreeLayout) -> go.Scatter:
+    edge_x, edge_y = [], []
+    ends = [(tree.parents[i], i) for i in lay.shown] + [(a, ("group", g)) for g, (a, _) in enumerate(lay.groups)]
+    for parent, node in ends:
+        start = "root" if parent < 0 else parent
+        edge_x += [lay.x[start], lay.x[node], None]
+        edge_y += [lay.y[start], lay.y[node], None]
+    line = {"color": "#cbd5e1", "width": 1}
+    return go.Scatter(x=edge_x, y=edge_y, mode="lines", line=line, hoverinfo="skip", showlegend=False)
+
+
+def _group_hover(tree: TreeRound, hidden: list[int]) -> str:
+    tokens = ", ".join(_shown(tree.texts[i]) for i in hidden[:12]) + (" …" if len(hidden) > 12 else "")
+    return f"{len(hidden)} pruned candidates (never reached): {tokens}"
+
+
+def _marker(lay: TreeLayout, keys: list, labels: dict, name: str, color: str, hovers) -> go.Scatter:
     return go.Scatter(
-        x=xs,
-        y=ys,
+        x=[lay.x[k] for k in keys],
+        y=[lay.y[k] for k in keys],
         mode="markers+text",
         name=name,
-        text=[_shown(t) for t in texts],
-        textposition="top center",
+        text=[labels[k] for k in keys],
+        textposition="middle right",
+        textfont={"size": LABEL_FONT},
         marker={"size": 13, "color": color, "line": {"width": 1, "color": "white"}},
         hovertext=hovers,
         hoverinfo="text",
@@ -146,17 +173,20 @@ def head_topk_figure(events: list[Event], step: int | None = None) -> go.Figure:
     width = max(len(r) for r in tree.head_top_probs)
     z = [r + [None] * (width - len(r)) for r in tree.head_top_probs]
     texts = [distinct_labels([_shown(t) for t in r]) + [""] * (width - len(r)) for r in tree.head_top_texts]
+    hover_texts = texts
+    texts = cell_text(texts, width, len(rows), NARROW_PLOT_PX - 140, 44 * len(rows))  # y labels take ~140 px
     fig = go.Figure(
         go.Heatmap(
             z=z,
             x=[f"#{i + 1}" for i in range(width)],
             y=rows,
             text=texts,
+            customdata=hover_texts,
             texttemplate="%{text}",
             colorscale=PROBABILITY_COLORSCALE,
             zmin=0,
             zmax=1,
-            hovertemplate="%{y}, rank %{x}: %{text} p=%{z:.3f}<extra></extra>",
+            hovertemplate="%{y}, rank %{x}: %{customdata} p=%{z:.3f}<extra></extra>",
             colorbar={"title": "prob"},
         )
     )
@@ -288,7 +318,8 @@ def accepted_steps(events: list[Event]) -> set[int]:
 
 
 def inspect_round(events: list[Event], step: int, **_knobs: float) -> go.Figure:
-    return tree_figure(events, step)
+    """The inspector's full-width tree of the round of `step`, every node shown (nothing collapsed)."""
+    return tree_figure(events, step, collapse=False, width=WIDE_PLOT_PX)
 
 
 VIEWS = {

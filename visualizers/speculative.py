@@ -28,6 +28,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from lab.trace import DraftRound, Event
+from visualizers.labels import NARROW_PLOT_PX, PlotBox, fit_labels
 from visualizers.style import STATUS_COLORS, base_layout, display_token, distinct_labels
 from visualizers.topk import empty_figure
 
@@ -82,8 +83,16 @@ def rounds_figure(events: list[Event], max_rounds: int = 24) -> go.Figure:
     if not rounds:
         return empty_figure(title, PLACEHOLDER)
     cells = _cells(rounds)
-    labels = distinct_labels([c[2] for s in STRIP_STATUSES for c in cells[s]])
-    fig = go.Figure(layout=base_layout(title, height=max(260, 90 + 28 * len(rounds))))
+    height = max(260, 110 + 28 * len(rounds))
+    items = [c for s in STRIP_STATUSES for c in cells[s]]
+    width = max(c[0] for c in items)
+    steps = [r.step for r in rounds]
+    box = PlotBox(NARROW_PLOT_PX, height - 44 - 66, (0.5, width + 0.5), (-(max(steps) + 0.5), -(min(steps) - 0.5)))
+    points = [(c[0], -c[1]) for c in items]  # the y axis is reversed: round r drawn at -r
+    cell_px = NARROW_PLOT_PX / width
+    fitted = fit_labels(points, [c[2] for c in items], box, anchor="center", max_px=cell_px - 4, font=10)
+    labels = fitted
+    fig = go.Figure(layout=base_layout(title, height=height))
     offset = 0
     for status in STRIP_STATUSES:
         items = cells[status]
@@ -101,9 +110,10 @@ def rounds_figure(events: list[Event], max_rounds: int = 24) -> go.Figure:
             )
         )
         offset += len(items)
-    fig.update_xaxes(title_text="position in round (last cell: the target's token)", dtick=1, zeroline=False)
-    fig.update_yaxes(title_text="round", autorange="reversed", dtick=1, zeroline=False)
-    fig.update_layout(legend={"orientation": "h", "y": -0.15})
+    x_title = "position in round (last cell: the target's token)"
+    fig.update_xaxes(title_text=x_title, dtick=1, zeroline=False, range=[0.5, width + 0.5])
+    fig.update_yaxes(title_text="round", range=[max(steps) + 0.5, min(steps) - 0.5], dtick=1, zeroline=False)
+    fig.update_layout(legend={"orientation": "h", "y": -0.15}, margin={"b": 66})
     return fig
 
 

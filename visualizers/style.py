@@ -1,7 +1,8 @@
 """The lab's shared colours and layout conventions (DESIGN.md section 8).
 
 Covers: the provenance / status colours used by every view (accepted green, rejected red, recovered orange,
-bonus blue, pruned grey, plain target tokens slate), light tints of them for token backgrounds, the base
+bonus blue, pruned grey, plain target tokens slate, tokens forced by a branch violet), light tints of them for token
+backgrounds, the base
 plotly layout (template "none", height only, `uirevision` so zoom survives streamed updates), and the helpers
 that turn a token into display text (visible whitespace, HTML-escaped) and keep repeated tokens distinct in
 heatmap cells. Not covered: per-figure layout details, which live with each figure.
@@ -19,6 +20,7 @@ STATUS_COLORS: dict[str, str] = {
     "bonus": "#1f77b4",
     "pruned": "#9e9e9e",
     "target": "#64748b",
+    "forced": "#7c3aed",  # a token the viewer chose (branch from here)
 }
 
 # Light tints of the same hues: token backgrounds, where dark text must stay readable.
@@ -29,6 +31,7 @@ TOKEN_BACKGROUNDS: dict[str, str] = {
     "bonus": "#c6dcf5",
     "pruned": "#e0e0e0",
     "target": "#e2e8f0",
+    "forced": "#e4d4fb",
 }
 
 DEFAULT_STATUS = "target"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from lab.trace import Event, TokenEmitted
+from visualizers.labels import NARROW_PLOT_PX, cell_text
 from visualizers.style import (
     PROBABILITY_COLORSCALE,
     SELECTED_OUTLINE,
@@ -76,9 +77,10 @@ def _chosen_markers(tokens: list[TokenEmitted], xs: list[int]) -> go.Scatter:
     )
 
 
-def topk_figure(events: list[Event], max_steps: int = 32) -> go.Figure:
+def topk_figure(events: list[Event], max_steps: int = 32, width_px: float = NARROW_PLOT_PX) -> go.Figure:
     """Heatmap of the top-k alternatives of the last `max_steps` emitted tokens: x = step, y = rank, colour = p,
-    token text in each cell, and the emitted token's rank marked. An empty-state figure before any token."""
+    the token written in each cell when cells are wide enough at a plot `width_px` (hover always has it), and the
+    emitted token's rank marked. An empty-state figure before any token."""
     tokens = [e for e in events if isinstance(e, TokenEmitted)][-max(1, max_steps) :]
     k = max((min(len(e.top_tokens), len(e.top_probs)) for e in tokens), default=0)
     if not tokens or k == 0:
@@ -86,6 +88,8 @@ def topk_figure(events: list[Event], max_steps: int = 32) -> go.Figure:
     first = len([e for e in events if isinstance(e, TokenEmitted)]) - len(tokens)
     xs = list(range(first, first + len(tokens)))
     z, labels, hovers = _grids(tokens, k)
+    height = max(260, 70 + 32 * k)
+    labels = cell_text(labels, len(tokens), k, width_px - 40, height - 88)  # the colour bar takes ~40 px
     heatmap = go.Heatmap(
         x=xs,
         y=list(range(1, k + 1)),
@@ -103,7 +107,7 @@ def topk_figure(events: list[Event], max_steps: int = 32) -> go.Figure:
         ygap=1,
         name="top-k",
     )
-    fig = go.Figure([heatmap, _chosen_markers(tokens, xs)], layout=base_layout(TITLE, height=max(260, 70 + 32 * k)))
+    fig = go.Figure([heatmap, _chosen_markers(tokens, xs)], layout=base_layout(TITLE, height=height))
     fig.update_xaxes(title_text="step", showgrid=False, zeroline=False)
     fig.update_yaxes(title_text="rank", autorange="reversed", dtick=1, showgrid=False, zeroline=False)
     fig.update_layout(showlegend=False)

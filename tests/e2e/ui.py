@@ -48,6 +48,31 @@ _PLOT_DATA_JS = """
 """
 
 
+_LABEL_BOXES_JS = """
+(id) => {
+  const gd = document.querySelector('#' + id + ' .js-plotly-plot');
+  if (!gd) return [];
+  return Array.from(gd.querySelectorAll('.scatterlayer .textpoint text'))
+    .filter((t) => t.textContent.trim() !== '' && t.getAttribute('display') !== 'none')
+    .map((t) => {
+      const r = t.getBoundingClientRect();
+      return {text: t.textContent, l: r.left, t: r.top, r: r.right, b: r.bottom};
+    })
+    .filter((b) => b.r - b.l > 0 && b.b - b.t > 0);
+}
+"""
+
+
+def label_boxes(page: Page, elem_id: str) -> list[dict]:
+    """The drawn (client) boxes of every non-empty point label of the plotly figure in `#elem_id`."""
+    return page.evaluate(_LABEL_BOXES_JS, elem_id)
+
+
+def box(page: Page, selector: str) -> dict | None:
+    """The element's bounding box in the viewport (None when it is not rendered)."""
+    return page.locator(selector).first.bounding_box()
+
+
 def tab(page: Page, name: str) -> None:
     page.get_by_role("tab", name=name, exact=True).click()
 

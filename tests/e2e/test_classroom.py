@@ -1,0 +1,139 @@
+"""The classroom features in a real browser (Debian Chromium), on the embedded model: the token view and the main
+figure side by side and both on screen while a run streams (1400 x 1000 and 1280 x 720), presentation mode, the pace
+control (a 1 token/s run shows tokens at about that rate while the model itself is faster), left / right keys
+stepping through the finished run, and "Branch from here" producing a run that starts with the chosen token.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.e2e import ui
+
+pytestmark = [pytest.mark.e2e, pytest.mark.embedded]
+
+PROMPT = "Name three colours and say one thing about each."
+PACED_TOKENS = 6
+
+# (seconds since recording started, tokens shown) every time the count changes
+_RECORD_COUNTS_JS = """
+() => {
+  window.__counts = [];
+  const t0 = performance.now();
+  clearInterval(window.__countTimer);
+  window.__countTimer = setInterval(() => {
+    const n = document.querySelectorAll('#token-view span.dl-token').length;
+    const c = window.__counts;
+    if (c.length === 0 || c[c.length - 1][1] !== n) c.push([(performance.now() - t0) / 1000, n]);
+  }, 50);
+}
+"""
+
+
+def side_by_side_on_screen(page, height: int) -> str:
+    """ "" when the token view and the main plot are side by side and both inside the viewport, else why not."""
+    tokens, plot = ui.box(page, "#token-view"), ui.box(page, "#main-plot")
+    if not tokens or not plot:
+        return "not rendered"
+    if plot["x"] < tokens["x"] + tokens["width"] - 5:
+        return f"not side by side: tokens {tokens}, plot {plot}"
+    for name, b in (("token view", tokens), ("main plot", plot)):
+        if b["y"] < 0 or b["y"] + 60 > height:
+            return f"{name} is not on screen: {b}"
+    return ""
+
+
+def start_paced_run(page, tokens: int) -> str | None:
+    page.get_by_label("1 token/s").check()
+    ui.prompt_box(page).fill(PROMPT)
+    ui.set_number(page, "max-new-tokens", tokens)
+    previous = ui.trace_file_name(page)
+    page.evaluate(_RECORD_COUNTS_JS)
+    ui.button(page, "run-button").click()
+    return previous
+
+
+@pytest.fixture(scope="module")
+def warm(page):
+    """A first 2-token run: the model is loaded and plotly.js is on the page before anything is timed."""
+    ui.prompt_box(page).fill(PROMPT)
+    ui.set_number(page, "max-new-tokens", 2)
+    previous = ui.trace_file_name(page)
+    ui.button(page, "run-button").click()
+    ui.wait_for_new_trace(page, previous)
+    ui.wait_until(lambda: ui.plot_data(page, "main-plot"), "the first figure", 120, page)
+
+
+@pytest.mark.parametrize("viewport", [(1400, 1000), (1280, 720)])
+def test_paced_run_side_by_side_at_about_one_token_per_second(page, warm, screenshot, viewport):
+    page.set_viewport_size({"width": viewport[0], "height": viewport[1]})
+    page.evaluate("window.scrollTo(0, 0)")
+    previous = start_paced_run(page, PACED_TOKENS)
+    ui.wait_until(lambda: ui.token_spans(page).count() >= 2, "the first paced tokens", 120, page)
+    assert side_by_side_on_screen(page, viewport[1]) == ""
+    screenshot(page, "run" if viewport == (1400, 1000) else f"run-{viewport[0]}x{viewport[1]}")
+    ui.wait_for_new_trace(page, previous)
+    counts = page.evaluate("() => { clearInterval(window.__countTimer); return window.__counts; }")
+    start = max(i for i, (_, n) in enumerate(counts) if n == min(c for _, c in counts))  # after the old run's view
+    shown = [(t, n) for t, n in counts[start:] if n > 0]
+    assert shown[-1][1] == PACED_TOKENS, counts
+    first = next(t for t, n in shown if n >= 1)
+    last = next(t for t, n in shown if n >= PACED_TOKENS)
+    rate = (PACED_TOKENS - 1) / (last - first)
+    assert 0.55 <= rate <= 1.6, f"paced at {rate:.2f} tokens/s: {counts}"
+
+
+def test_keyboard_steps_through_the_finished_run(page, warm):
+    page.set_viewport_size({"width": 1400, "height": 1000})
+    page.get_by_label("real time").check()
+    ui.prompt_box(page).fill(PROMPT)
+    ui.set_number(page, "max-new-tokens", 8)
+    previous = ui.trace_file_name(page)
+    ui.button(page, "run-button").click()
+    ui.wait_for_new_trace(page, previous)
+    total = ui.wait_until_stable(page, lambda: ui.token_spans(page).count(), quiet_ms=1000)
+    page.locator("#stats").click()  # focus the page, not a text field
+    page.keyboard.press("ArrowLeft")
+    page.keyboard.press("ArrowLeft")
+    ui.wait_until(lambda: ui.token_spans(page).count() == total - 2, "two steps back", 30, page)
+    page.keyboard.press("ArrowRight")
+    ui.wait_until(lambda: ui.token_spans(page).count() == total - 1, "one step forward", 30, page)
+    page.keyboard.press("ArrowRight")
+    ui.wait_until(lambda: ui.token_spans(page).count() == total, "back at the end", 30, page)
+
+
+def test_presentation_mode_shows_large_type_and_one_figure(page, warm, screenshot):
+    page.set_viewport_size({"width": 1280, "height": 720})
+    ui.button(page, "present-button").click()
+    ui.wait_until(lambda: page.evaluate("document.body.classList.contains('dl-present')"), "presentation", 10, page)
+    assert not page.locator("#run-settings").is_visible()
+    assert not page.locator("#detail-plot-1").is_visible() and page.locator("#main-plot").is_visible()
+    size = page.evaluate("parseFloat(getComputedStyle(document.querySelector('#token-view .dl-tokens')).fontSize)")
+    assert size >= 28, size
+    screenshot(page, "presentation")
+    ui.button(page, "present-button").click()
+    assert page.locator("#run-settings").is_visible()
+
+
+def test_branch_from_here_starts_with_the_chosen_token(page, warm, screenshot):
+    page.set_viewport_size({"width": 1400, "height": 1000})
+    page.get_by_label("real time").check()
+    ui.prompt_box(page).fill(PROMPT)
+    ui.set_number(page, "max-new-tokens", 8)
+    previous = ui.trace_file_name(page)
+    ui.button(page, "run-button").click()
+    ui.wait_for_new_trace(page, previous)
+    page.locator("#token-view span.dl-token").nth(2).click()
+    ui.wait_until(lambda: "Branch at token 3" in page.locator("#branch-where").inner_text(), "branch choices", 30, page)
+    label = ui.wait_until(lambda: ui.dropdown_value(page, "branch-choice"), "a preselected alternative", 30, page)
+    chosen = re.match(r"\d+\. (.*)  \(p=", label).group(1)
+    ui.button(page, "branch-button").click()
+    first = page.locator("#branch-tokens span.dl-token").first
+    ui.wait_until(lambda: first.count() and first.get_attribute("data-source") == "forced", "the branch", 120, page)
+    shown = re.search(r"forced · '(.*)' \(id", first.get_attribute("title")).group(1)
+    assert shown == chosen
+    ui.wait_until(lambda: "branch at token 3" in page.locator("#run-tree").inner_text(), "the tree of runs", 120, page)
+    assert page.locator("#branch-original span.dl-token").count() >= 3
+    screenshot(page, "branch")

@@ -1,0 +1,79 @@
+"""Page layout shared by the Run and Replay tabs: the token view and the strategy's main figure side by side (they
+wrap to one column on narrow screens), detail figures in an accordion under them, presentation mode (large type,
+one figure, high contrast: a class on <body>, toggled in the browser), and keyboard stepping (left / right click
+the visible tab's step buttons). Gradio UI code only.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+MAX_FIGURES = 6  # plot slots: a strategy's main view first, then its detail views
+# A click on a token span (data-step) of a token view sends {step, index} with the HTML component's click event.
+TOKEN_CLICK_JS = """
+element.addEventListener('click', (event) => {
+  const span = event.target.closest('[data-step]');
+  if (!span || !element.contains(span)) return;
+  trigger('click', {step: Number(span.dataset.step), index: Number(span.dataset.index)});
+});
+"""
+# Left / right arrows: the first visible pair of step buttons (the Run or Replay tab), unless typing in a field.
+KEYS_JS = """
+() => {
+  if (window.__dlKeys) return;
+  window.__dlKeys = true;
+  document.addEventListener('keydown', (event) => {
+    if (event.key !== 'ArrowLeft' && event.key !== 'ArrowRight') return;
+    const target = event.target;
+    if (target && (target.isContentEditable || ['INPUT', 'TEXTAREA', 'SELECT'].includes(target.tagName))) return;
+    const which = event.key === 'ArrowLeft' ? 'back' : 'next';
+    const button = Array.from(document.querySelectorAll('.dl-step-' + which)).find((b) => b.offsetParent !== null);
+    if (button) { event.preventDefault(); button.click(); }
+  });
+}
+"""
+PRESENT_JS = "() => { document.body.classList.toggle('dl-present'); }"
+CSS = """
+.dl-token:hover { filter: brightness(0.92); }
+.dl-views > .column { min-width: 0; }
+body.dl-present .dl-hide-present, body.dl-present #run-settings,
+body.dl-present .dl-details { display: none !important; }
+body.dl-present .gradio-container { max-width: 100% !important; background: #ffffff !important; }
+body.dl-present .dl-tokens { font-size: 30px !important; line-height: 1.55 !important; color: #000000 !important; }
+body.dl-present .dl-token { border: 1px solid #000000; }
+body.dl-present .dl-legend { font-size: 18px !important; color: #000000 !important; }
+body.dl-present .dl-stats, body.dl-present .dl-stats * { font-size: 20px !important; color: #000000 !important; }
+body.dl-present .dl-views { flex-wrap: nowrap !important; }
+@media (max-width: 700px) { .dl-views { flex-direction: column !important; } }
+"""
+
+
+def build_views(prefix: str, details_open: bool = True) -> dict:
+    """The views of one run: stats, then the clickable token view beside the main plot, then the detail plots and
+    the text in an accordion."""
+    views = {"stats": gr.Markdown(elem_id=f"{prefix}stats", elem_classes=["dl-stats"])}
+    with gr.Row(equal_height=False, elem_id=f"{prefix}views", elem_classes=["dl-views"]):
+        with gr.Column(scale=1, min_width=280):
+            views["tokens"] = gr.HTML(label="Tokens", elem_id=f"{prefix}token-view", js_on_load=TOKEN_CLICK_JS)
+        with gr.Column(scale=1, min_width=280):
+            views["main"] = gr.Plot(label="Internals", elem_id=f"{prefix}main-plot")
+    with gr.Accordion("Details: more views of this run", open=details_open, elem_classes=["dl-details"]):
+        with gr.Row(equal_height=False):
+            views["details"] = [
+                gr.Plot(visible=False, label="Details", elem_id=f"{prefix}detail-plot-{i}", min_width=420)
+                for i in range(1, MAX_FIGURES)
+            ]
+        views["text"] = gr.Textbox(label="Text", lines=3, interactive=False, elem_id=f"{prefix}text")
+    return views
+
+
+def view_list(views: dict) -> list:
+    """Components in `view_updates` order."""
+    return [views["tokens"], views["main"], views["stats"], views["text"], *views["details"]]
+
+
+def step_buttons(prefix: str) -> tuple[gr.Button, gr.Button]:
+    """◀ / ▶ buttons (also the targets of the left / right keys)."""
+    back = gr.Button("◀", elem_id=f"{prefix}step-back", elem_classes=["dl-step-back"], scale=0, min_width=50)
+    nxt = gr.Button("▶", elem_id=f"{prefix}step-next", elem_classes=["dl-step-next"], scale=0, min_width=50)
+    return back, nxt
