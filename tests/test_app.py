@@ -136,16 +136,20 @@ def test_a_full_queue_is_refused_with_a_clear_message():
     port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     try:
-        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
-        running = submit(client, strategy="sample", prompt="Write a long story about a dragon.", max_new_tokens=1024)
+        # one client (one browser session) per student: Gradio's cancel stops every running event of the
+        # cancelling session's endpoint, and in the model lane waiting runs are running events
+        def student() -> Client:
+            return Client(f"http://127.0.0.1:{port}/", verbose=False)
+
+        running = submit(student(), strategy="sample", prompt="Write a long story about a dragon.", max_new_tokens=1024)
         deadline = time.time() + 120
         while len(running.outputs()) < 2 and time.time() < deadline:
             time.sleep(0.2)
-        waiting = submit(client, prompt="Name one fruit.", max_new_tokens=2)  # fills the one waiting place
+        waiting = submit(student(), prompt="Name one fruit.", max_new_tokens=2)  # fills the one waiting place
         time.sleep(1.0)
         with pytest.raises(Exception, match=r"Queue is full: 1 runs are waiting .*you would be #2"):
-            submit(client, prompt="Name one animal.", max_new_tokens=2).result(timeout=60)
-        same = submit(client, prompt="Name one fruit.", max_new_tokens=2)  # identical: joins the waiting run
+            submit(student(), prompt="Name one animal.", max_new_tokens=2).result(timeout=60)
+        same = submit(student(), prompt="Name one fruit.", max_new_tokens=2)  # identical: joins the waiting run
         time.sleep(1.0)
         assert any("#1 in line" in str(update[2]) for update in waiting.outputs()), waiting.outputs()
         with contextlib.suppress(httpx.TimeoutException):  # a busy server may answer the cancel late; it still acts
