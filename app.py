@@ -12,7 +12,7 @@ estimated wait; identical requests (model, strategy, parameters, prompt, chat, s
 recently finished ones are answered from their recorded events. At most DECODING_LAB_QUEUE_SIZE distinct runs
 (default 32: a class of 30, the teacher and one spare) may wait; beyond that the user is told the queue is full
 and for how long. Each run has a hard time limit (MAX_RUN_SECONDS). Before each run `lab.threads.apply` picks the
-intra-op threads from the CPUs free at that moment (OMP_WAIT_POLICY=PASSIVE is set before torch is imported).
+intra-op threads from the CPUs free at that moment.
 Light work (replay, inspect, learn, stepping, pace changes) runs in its own concurrency groups. Per-session data
 lives in gr.State with a time to live; models are
 shared through the `lab.models` cache (at most two loaded, never one per session). Stop cancels the running
@@ -58,18 +58,14 @@ import threading
 
 import gradio as gr
 
-from lab import threads
-
-threads.set_wait_policy()  # before torch is imported (by lab.models below): OpenMP reads it once
-
-from lab.models import EMBEDDED_MODEL, ModelLoadError, load_model  # noqa: E402
-from ui.common import HUB, LIGHT, MAX_UPLOAD, QUEUE_MAX_SIZE, inspect_trace, stats_markdown  # noqa: E402
-from ui.compare_tab import build_compare_tab  # noqa: E402
-from ui.layout import CSS, KEYS_JS  # noqa: E402
-from ui.learn_tab import build_learn_tab  # noqa: E402
-from ui.measure_tab import build_measure_tab  # noqa: E402
-from ui.replay_tab import build_replay_tab, record_run  # noqa: E402
-from ui.run_tab import parse_params_json, run_api, stream_outputs  # noqa: E402
+from lab.models import EMBEDDED_MODEL, ModelLoadError, load_model
+from ui.common import HUB, LIGHT, MAX_UPLOAD, QUEUE_MAX_SIZE, inspect_trace, stats_markdown
+from ui.compare_tab import build_compare_tab
+from ui.layout import CSS, KEYS_JS
+from ui.learn_tab import build_learn_tab
+from ui.measure_tab import build_measure_tab
+from ui.replay_tab import build_replay_tab, record_run
+from ui.run_tab import parse_params_json, run_api, stream_outputs
 
 __all__ = ["build_app", "inspect_trace", "main", "parse_params_json", "run_api", "stats_markdown", "stream_outputs"]
 

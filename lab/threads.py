@@ -3,27 +3,24 @@
 Covered: how many CPUs this process may use (`usable_cpus`: the affinity mask, capped by a cgroup v2 CPU quota),
 how many of them other processes keep busy right now (`busy_cpus`: /proc/stat over a short sample, minus this
 process's own CPU time), the intra-op thread count for a job (`intra_op_threads`: the free CPUs shared by the
-jobs running at once, at least one), the OpenMP wait policy (`set_wait_policy`: OMP_WAIT_POLICY=PASSIVE, which
-only takes effect when set before torch is imported, because libgomp reads it once at start-up), and `apply`,
-which sets `torch.set_num_threads` for the next job.
+jobs running at once, at least one), and `apply`, which sets `torch.set_num_threads` for the next job.
 
-Why: torch defaults to one intra-op thread per CPU and OpenMP threads that spin at every barrier. When another
-process occupies a core, each parallel region waits for a thread the kernel has descheduled while the others spin,
-so a run slows far below its fair share. Fewer threads than busy-free CPUs and passive waiting avoid that.
-`scripts/contention_bench.py` measures greedy tokens/s alone and beside CPU-bound neighbours, with and without the
-policy (the README holds the numbers). Not covered: inter-op threads (unused by the decode loops), GPU devices
-(the policy only changes CPU threads), NUMA placement.
+Why: torch defaults to one intra-op thread per CPU. When another process occupies a core, each parallel region
+waits at its barrier for a thread the kernel has descheduled, so a run slows far below its fair share. Running
+with only the free CPUs' threads avoids that. The OpenMP wait policy is left as it is: in
+`scripts/contention_bench.py` OMP_WAIT_POLICY=PASSIVE (mode "passive") did not raise tokens/s beside CPU-bound
+neighbours over the thread count alone and lowered it alone, where every parallel region then pays a wake-up
+(the README holds the numbers). Not covered: inter-op threads (unused by the decode loops), GPU devices (the policy
+only changes CPU threads), NUMA placement.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-WAIT_POLICY = "PASSIVE"
 BUSY_SAMPLE_S = 0.15
 BUSY_MARGIN = 0.5  # a CPU counts as taken once another process uses more than half of it
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
@@ -37,7 +34,6 @@ class ThreadPolicy:
     busy: float
     jobs: int
     threads: int
-    wait_policy: str
 
 
 def _cgroup_quota() -> float | None:
@@ -91,13 +87,6 @@ def intra_op_threads(jobs: int = 1, cpus: int | None = None, busy: float = 0.0) 
     return max(1, (cpus - taken) // max(1, jobs))
 
 
-def set_wait_policy(policy: str = WAIT_POLICY) -> bool:
-    """Ask OpenMP threads to sleep instead of spinning when they wait (OMP_WAIT_POLICY) unless the user chose;
-    returns False when torch was imported already (then the setting has no effect in this process)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", policy)
-    return "torch" not in sys.modules
-
-
 def apply(jobs: int = 1, sample_s: float = BUSY_SAMPLE_S) -> ThreadPolicy:
     """Set torch's intra-op threads for the next job from the CPUs free right now; OMP_NUM_THREADS, when set,
     wins (the user pinned it)."""
@@ -109,4 +98,4 @@ def apply(jobs: int = 1, sample_s: float = BUSY_SAMPLE_S) -> ThreadPolicy:
     threads = int(pinned) if pinned.isdigit() and int(pinned) > 0 else intra_op_threads(jobs, cpus, busy)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
-    return ThreadPolicy(cpus, round(busy, 2), jobs, threads, os.environ.get("OMP_WAIT_POLICY", "default"))
+    return ThreadPolicy(cpus, round(busy, 2), jobs, threads)

@@ -1,14 +1,18 @@
 """Contention bench: greedy tokens/s alone and beside CPU-bound neighbours, before and after the thread policy.
 
-usage: /work/quiet .venv/bin/python scripts/contention_bench.py [--tokens 64] [--repeat 3] [--neighbours 2]
+usage: .venv/bin/python scripts/contention_bench.py [--tokens 64] [--repeat 3] [--neighbours 2]
+    [--modes before,after,passive,short-spin]
 
 For each mode a fresh worker process loads the embedded model (so the OpenMP settings are read at torch's import):
 - before: torch's defaults (one intra-op thread per CPU, OpenMP's default wait policy);
-- after: `lab.threads` (OMP_WAIT_POLICY=PASSIVE set before torch is imported, intra-op threads from the CPUs that
-  are free right now, measured before each run as the app does).
+- after: `lab.threads.apply` before each run, as the app does (intra-op threads from the CPUs that are free right
+  now; OpenMP's default wait policy);
+- passive: the same, with OMP_WAIT_POLICY=PASSIVE set before torch is imported (waiting threads sleep at once);
+- short-spin: the same, waiting threads spin SHORT_SPIN iterations (GOMP_SPINCOUNT), then sleep.
 The worker runs greedy `repeat` times alone, then again while `neighbours` processes run `while True: pass`.
 Printed: one JSON line per mode and a Markdown table (median tokens/s, beside / alone). Other jobs on the machine
-change the numbers: run it through /work/quiet and say what else was running.
+change the numbers: run it alone and say what else was running. List a mode twice (for example
+before,after,before,after) to see how much the machine's speed drifts between workers.
 """
 
 from __future__ import annotations
@@ -26,15 +30,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Explain in a few sentences why the sky is blue."
 NEIGHBOUR = "while True: pass"
+MODES = ("before", "after", "passive", "short-spin")
+SHORT_SPIN = "10000"  # libgomp's busy-wait iterations before a waiting thread sleeps (its default: 300000)
 
 
-def worker(tokens: int, policy: bool) -> None:
+def worker(tokens: int, mode: str) -> None:
     """Load once, then per line on stdin run greedy and print {"tokens_per_s", "threads"} as JSON."""
     sys.path.insert(0, str(ROOT))
     from lab import threads
 
-    if policy:
-        threads.set_wait_policy()
+    policy = mode != "before"
+    if mode == "passive":
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # before torch is imported: libgomp reads it once
+    elif mode == "short-spin":
+        os.environ["GOMP_SPINCOUNT"] = SHORT_SPIN
     import torch
 
     from lab.runner import run_to_trace
@@ -53,7 +62,7 @@ def worker(tokens: int, policy: bool) -> None:
 
 
 def measure(mode: str, args: argparse.Namespace) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
     command = [sys.executable, __file__, "--worker", mode, "--tokens", str(args.tokens)]
     proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
 
@@ -101,10 +110,10 @@ def main() -> None:
     parser.add_argument("--neighbours", type=int, default=2)
     parser.add_argument("--modes", default="before,after")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one run may take")
-    parser.add_argument("--worker", choices=["before", "after"])
+    parser.add_argument("--worker", choices=MODES)
     args = parser.parse_args()
     if args.worker:
-        worker(args.tokens, args.worker == "after")
+        worker(args.tokens, args.worker)
         return
     rows = []
     for mode in args.modes.split(","):
