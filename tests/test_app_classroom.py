@@ -180,3 +180,31 @@ def test_run_tree_lists_branches_under_their_parent():
     html = run_tree_html(nodes)
     assert "original run" in html and "&lt;is&gt;" in html and "token 5" in html and "␣since" in html
     assert html.index("original run") < html.index("branch at")
+
+
+def test_trace_files_written_at_once_by_many_handlers_all_land(tmp_path, monkeypatch):
+    """A shared run's askers finish together and each saves the trace while the folder is full: pruning must not
+    fail on a file another handler removed."""
+    import threading
+
+    from ui import common
+
+    monkeypatch.setattr(common, "TRACE_DIR", tmp_path)
+    monkeypatch.setattr(common, "MAX_TRACE_FILES", 5)
+    for i in range(5):
+        (tmp_path / f"old-{i}.json").write_text("{}")
+    paths, errors = [], []
+
+    def save() -> None:
+        try:
+            paths.append(common.write_trace_file("{}"))
+        except Exception as error:  # noqa: BLE001 - the test reports any failure
+            errors.append(error)
+
+    workers = [threading.Thread(target=save) for _ in range(20)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert not errors and len(paths) == 20
+    assert len(list(tmp_path.glob("*.json"))) <= 5

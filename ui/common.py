@@ -8,6 +8,7 @@ import dataclasses
 import math
 import os
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -51,6 +52,7 @@ REPLAY_TICK_S = 0.4
 MODEL_CHOICES = MODELS  # lab.presets: the embedded model and the known draft / target pairs
 TRACE_DIR = Path(tempfile.gettempdir()) / "decoding-lab-traces"
 MAX_TRACE_FILES = 200
+_TRACE_FILES_LOCK = threading.Lock()
 COMMON_DEFAULTS = DecodeParams()
 VIEW_COUNT = 3 + MAX_FIGURES  # token view, figures, stats, text (`view_updates`)
 MODEL_QUEUE = {"concurrency_id": "model", "concurrency_limit": 1, "time_limit": MAX_RUN_SECONDS + 120}
@@ -241,14 +243,25 @@ def stats_line(trace: Trace, status: str = "") -> str:
     return " · ".join(parts + [status or stats.stop_reason])
 
 
+def _modified(path: Path) -> float | None:
+    """A file's modification time, or None when another handler (or process) removed it meanwhile."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
 def write_trace_file(trace_json: str, prefix: str = "trace") -> str:
-    """Save a trace (or other JSON) for download; the folder keeps at most MAX_TRACE_FILES files (oldest removed)."""
-    TRACE_DIR.mkdir(parents=True, exist_ok=True)
-    old = sorted(TRACE_DIR.glob("*.json"), key=lambda p: p.stat().st_mtime)
-    for path in old[: max(0, len(old) - MAX_TRACE_FILES + 1)]:
-        path.unlink(missing_ok=True)
-    path = TRACE_DIR / f"{prefix}-{uuid.uuid4().hex[:12]}.json"
-    path.write_text(trace_json, encoding="utf-8")
+    """Save a trace (or other JSON) for download; the folder keeps at most MAX_TRACE_FILES files (oldest removed).
+    Many handlers finish at once when a shared run ends, so pruning is serialised and tolerates files that vanish."""
+    with _TRACE_FILES_LOCK:
+        TRACE_DIR.mkdir(parents=True, exist_ok=True)
+        dated = [(t, p) for p in TRACE_DIR.glob("*.json") if (t := _modified(p)) is not None]
+        old = [p for _, p in sorted(dated)]
+        for path in old[: max(0, len(old) - MAX_TRACE_FILES + 1)]:
+            path.unlink(missing_ok=True)
+        path = TRACE_DIR / f"{prefix}-{uuid.uuid4().hex[:12]}.json"
+        path.write_text(trace_json, encoding="utf-8")
     return str(path)
 
 
