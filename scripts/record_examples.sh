@@ -10,6 +10,8 @@ TOKENS=${TOKENS:-48}
 mkdir -p "$OUT"
 
 # name | prompt | extra --set options
+# rlm: the shipped examples/traces/rlm.json is the tally run (100k tokens, 35 sub-calls) that
+# `python -m lab eval rlm --limit 6 --sizes 20000 --tally 1 --traces DIR` saved; its line records the same task
 EXAMPLES=(
   "greedy|Why is the sky blue? Explain it simply.|"
   "sample|Write a short poem about a lighthouse keeper who waits for a ship that never comes.|--set temperature=0.8"
@@ -22,7 +24,7 @@ EXAMPLES=(
   "mtpc|What is photosynthesis, and why is it important for life on Earth?|"
   "eagle|Solve for x: 3x + 7 = 22. Explain each step.|"
   "tot|4 9 10 13|--set value=solver"
-  "rlm|What is asked in the task?|--set task=needle --set context_tokens=20000"
+  "rlm|What is asked in the task?|--set task=tally --set context_tokens=100000 --set max_sub_calls=64 --set sub_window=4096 --set max_total_tokens=600000"
 )
 
 registered=$("$PY" -c "from strategies import REGISTRY; print(' '.join(REGISTRY))")

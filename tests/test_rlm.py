@@ -198,3 +198,28 @@ def test_code_mode_runs_repl_blocks_sub_calls_and_final_var(tiny, monkeypatch: p
     assert "REPL output:\n2000" in seen_prompts[2]
     result = next(e for e in events if isinstance(e, RlmResult))
     assert result.stop == "final" and result.answer == subs[0].output[: len(result.answer)]
+
+
+def test_eval_traces_keep_the_run_params_and_the_first_tally_run(tmp_path) -> None:
+    """`lab eval rlm --traces`: the first correct run of each kind and the first tally run whatever its answer,
+    each saved with the Params that made it (a replayed trace shows the run's real settings)."""
+    import dataclasses
+    import json
+
+    from lab.rlm.evaluate import TALLY_PARAMS, save_traces, task_params
+
+    def result(correct: bool) -> list:
+        return [RlmResult(0, "7", correct, "final", 1, 2, 30, 400)]
+
+    tally = dataclasses.asdict(task_params("tally", 100_000, 0, TALLY_PARAMS))
+    kept = [
+        ("needle", 0, False, result(False), dataclasses.asdict(task_params("needle", 20_000, 0))),
+        ("needle", 1, True, result(True), dataclasses.asdict(task_params("needle", 20_000, 1))),
+        ("tally", 0, False, result(False), tally),
+    ]
+    paths = save_traces(kept, str(tmp_path), "smollm2-135m")
+    assert sorted(p.rsplit("/", 1)[1] for p in paths) == ["rlm-needle.json", "rlm-tally.json"]
+    needle = json.loads((tmp_path / "rlm-needle.json").read_text())
+    assert needle["params"]["task_seed"] == 1 and needle["events"][0]["correct"] is True
+    saved = json.loads((tmp_path / "rlm-tally.json").read_text())["params"]
+    assert saved == tally and saved["sub_window"] == TALLY_PARAMS["sub_window"]

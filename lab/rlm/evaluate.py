@@ -58,12 +58,18 @@ class TaskRun:
     visible: bool
 
 
+def task_params(kind: str, size: int, seed: int, extra: dict | None = None):
+    """The `rlm` strategy's Params for one task: its defaults, the task, plus `extra`."""
+    values = {"task": kind, "context_tokens": size, "task_seed": seed, **(extra or {})}
+    return build_params(get_strategy("rlm").Params, values)
+
+
 def run_rlm(
     loaded: LoadedModel, kind: str, size: int, seed: int, extra: dict | None = None
 ) -> tuple[RlmResult, RlmContext, float, list]:
     """One rlm run with the strategy's defaults (plus `extra` params); (result, context, seconds, events)."""
     strategy = get_strategy("rlm")
-    params = build_params(strategy.Params, {"task": kind, "context_tokens": size, "task_seed": seed, **(extra or {})})
+    params = task_params(kind, size, seed, extra)
     start = time.perf_counter()
     events = list(strategy.run(loaded, loaded.encode("(task question)"), params, make_generator(seed, loaded.device)))
     result = next(e for e in events if isinstance(e, RlmResult))
@@ -102,7 +108,7 @@ def _one(loaded: LoadedModel, kind: str, size: int, seed: int, extra: dict | Non
     task = tasks.make_task(kind, size, seed)
     result, context, rlm_s, events = run_rlm(loaded, kind, size, seed, extra)
     if keep is not None:
-        keep.append((kind, seed, result.correct, events))
+        keep.append((kind, seed, result.correct, events, dataclasses.asdict(task_params(kind, size, seed, extra))))
     answer, direct_tokens, visible, direct_s = run_direct(loaded, task)
     return TaskRun(
         kind, seed, context.context_tokens, task.answer, result.answer, bool(result.correct), result.tokens,
@@ -115,7 +121,7 @@ def evaluate(
     loaded: LoadedModel, limit: int, sizes: tuple[int, ...], progress=None, tally: int = 0, keep: list | None = None
 ) -> list[TaskRun]:
     """Run `limit` tasks (kinds interleaved, sizes cycled per seed) and `tally` tally tasks, with RLM and
-    directly; `keep` (a list) receives (kind, seed, correct, events) of every RLM run."""
+    directly; `keep` (a list) receives (kind, seed, correct, events, params) of every RLM run."""
     plan = [
         (tasks.KINDS[i % len(tasks.KINDS)], sizes[(i // len(tasks.KINDS)) % len(sizes)], i // len(tasks.KINDS), None)
         for i in range(limit)
@@ -170,13 +176,13 @@ def save_traces(kept: list, folder: str, model: str) -> list[str]:
     (its call tree is the recursion to look at); returns the paths written."""
     os.makedirs(folder, exist_ok=True)
     chosen: dict[str, tuple] = {}
-    for kind, seed, correct, events in kept:
+    for kind, _seed, correct, events, params in kept:
         if kind not in chosen and (correct or kind == "tally"):
-            chosen[kind] = (seed, events)
+            chosen[kind] = (params, events)
     paths = []
-    for kind, (seed, events) in chosen.items():
+    for kind, (params, events) in chosen.items():
         path = os.path.join(folder, f"rlm-{kind}.json")
-        trace = Trace("rlm", model, "(task question)", {"task": kind, "task_seed": seed}, events)
+        trace = Trace("rlm", model, "(task question)", params, events)
         with open(path, "w", encoding="utf-8") as handle:
             handle.write(to_json(trace))
         paths.append(path)
