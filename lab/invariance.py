@@ -3,11 +3,13 @@ would, so greedy verification decides exactly as greedy decoding in bf16 / fp16 
 
 Two things make a multi-token forward round differently from a one-token step in reduced precision:
 - attention: a one-token step attends with one query row; a verify forward runs all rows in one SDPA call (other
-  kernel, other reduction order). Under `rows_invariant`, the attention function `lab_rows` runs each query row
-  over exactly the keys it may see (the prefix and its ancestors, in sequence order) with the one-query-row
-  SDPA call a decode step makes, batched over the rows that see equally many keys (a tree level: SDPA computes
-  each batch element alone); outside it (prefill, decode steps) it is plain SDPA. What it costs: each row reads
-  the whole prefix (rows x prefix keys copied per layer) where one multi-row call reads it once.
+  kernel, other reduction order, other rounding). A row-invariant model computes the attention of every
+  one-token step and, under `rows_invariant`, of every verify forward with `exact_attention`: scores, softmax and
+  the weighted sum of values in float64 from the bf16 inputs, one masked call for all rows, rounded back to
+  bf16 once. Scores of bf16 inputs are exact in float64 and the rest carries 53 bits, so a row's bf16 output
+  does not depend on which other rows or masked keys share the call (see its docstring for the odds). Prefill
+  and batched forwards keep plain SDPA. What it costs: a handful of small float64 ops per layer instead of one
+  SDPA call, on the decode step too.
 - linear layers: for some shapes and inputs the CPU's bf16 kernel for one row (a matrix-vector product) and the
   3D batched path sum in another order than the 2D multi-row kernel, whose rows do not depend on how many rows
   there are. `make_rows_invariant` runs every linear layer as a 2D product and a one-row input as two identical
@@ -25,7 +27,6 @@ import contextvars
 import os
 import types
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,89 +38,58 @@ ATTENTION = "lab_rows"
 SWITCH = "DECODING_LAB_ROW_INVARIANT"  # "0" turns row-invariant forwards off (faster tree verification, not exact)
 REDUCED = (torch.bfloat16, torch.float16)
 _ROWWISE = contextvars.ContextVar("lab_rows_invariant", default=False)
-_PLAN = contextvars.ContextVar("lab_rows_plan", default=None)  # (mask, shapes, row groups) of the last forward
+_PLAN = contextvars.ContextVar("lab_rows_plan", default=None)  # (mask, hidden keys) of the last forward
 
 
-@dataclass(frozen=True)
-class _RowGroup:
-    """Query rows that see the same number of keys: the whole cache prefix, then `tails` (their own keys)."""
-
-    rows: torch.Tensor  # [G] query row indices
-    tails: torch.Tensor  # [G, m] key indices after the prefix, in sequence order (m may be 0)
-    contiguous: bool  # one row whose keys are positions [0, prefix + m): a chain row, attended on a view
-
-
-def _seen_by_rows(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, 1, q, kv] boolean or additive mask -> [q, kv] bool: which keys each query row may see."""
-    rows = attention_mask[0, 0]
-    return rows if rows.dtype == torch.bool else rows == 0
-
-
-def _row_groups(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) -> list[_RowGroup] | None:
-    """The rows of a verify forward grouped by how many keys each sees (its depth in a chain or tree), or None
-    when some row does not see the whole cache prefix (then each row runs on its own). The mask is the same for
-    every layer of a forward, so the answer is computed once per mask."""
-    cached = _PLAN.get()
-    if cached is not None and cached[0] is attention_mask and cached[1] == (q_len, kv_len):
-        return cached[2]
-    prefix = kv_len - q_len
+def _hidden_keys(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) -> torch.Tensor | None:
+    """[q, kv] bool, True where a query row may not see a key; None when every row sees every key. A missing
+    mask on several rows means causal. The mask is the same for every layer of a forward: computed once."""
     if attention_mask is None:
-        visible = torch.tril(torch.ones(q_len, q_len, dtype=torch.bool))
-        sees_prefix = True
-    else:
-        rows = _seen_by_rows(attention_mask)
-        sees_prefix = bool(rows[:, :prefix].all())
-        visible = rows[:, prefix:]
-    groups: list[_RowGroup] | None = None
-    if sees_prefix:
-        by_count: dict[int, list[int]] = {}
-        for i, count in enumerate(visible.sum(-1).tolist()):
-            by_count.setdefault(count, []).append(i)
-        groups = []
-        for members in by_count.values():
-            tails = torch.stack([visible[i].nonzero()[:, 0] + prefix for i in members])
-            contiguous = len(members) == 1 and bool(visible[members[0], : tails.shape[1]].all())
-            groups.append(_RowGroup(torch.tensor(members, device=visible.device), tails, contiguous))
-    _PLAN.set((attention_mask, (q_len, kv_len), groups))
-    return groups
+        if q_len == 1:
+            return None
+        rows = torch.arange(q_len).unsqueeze(1) + (kv_len - q_len)
+        return torch.arange(kv_len).unsqueeze(0) > rows
+    cached = _PLAN.get()
+    if cached is not None and cached[0] is attention_mask:
+        return cached[1]
+    rows = attention_mask[0, 0]
+    hidden = ~rows if rows.dtype == torch.bool else rows != 0
+    _PLAN.set((attention_mask, hidden))
+    return hidden
 
 
-def _group_keys(states: torch.Tensor, prefix: int, group: _RowGroup) -> torch.Tensor:
-    """[1, kv_heads, kv, d] -> [G, kv_heads, prefix + m, d]: the prefix, then each row's own keys."""
-    groups, m = group.tails.shape
-    if group.contiguous:
-        return states[:, :, : prefix + m]  # a chain row: a view, no copy
-    heads, dim = states.shape[1], states.shape[3]
-    own = states[0].index_select(1, group.tails.flatten()).view(heads, groups, m, dim).transpose(0, 1)
-    return torch.cat([states[:, :, :prefix].expand(groups, -1, -1, -1), own], dim=2)
+def exact_attention(query, key, value, attention_mask, scaling: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scaling) v in float64 from reduced-precision inputs, rounded back once at the end.
+
+    query [1, heads, q, d], key / value [1, kv_heads, kv, d] (grouped-query heads share a kv head), mask as
+    for SDPA; returns [1, q, heads, d]. A product of two bf16 / fp16 values is exact in float64 and a sum of d
+    of them is exact too (barring an exponent spread over ~30 bits), so every score is the same number
+    whatever the kernel, the row count or the key count; softmax and the weighted sum of values carry 53 bits,
+    so the order in which they add (which does depend on the shapes) changes the float64 result by about
+    1e-16 relative, and the output rounded to bf16 differs only where that lands on a rounding boundary
+    (odds of about 1e-13 per element). Masked keys get weight exactly 0."""
+    _, heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    shared = heads // kv_heads  # query heads per kv head (repeat_kv's layout: head h reads kv head h // shared)
+    q = query[0].to(torch.float64).reshape(kv_heads, shared * q_len, dim)
+    k, v = key[0].to(torch.float64), value[0].to(torch.float64)
+    scores = torch.bmm(q, k.transpose(1, 2)).mul_(dim**-0.5 if scaling is None else scaling)
+    hidden = _hidden_keys(attention_mask, q_len, kv_len)
+    if hidden is not None:
+        scores.view(kv_heads, shared, q_len, kv_len).masked_fill_(hidden, float("-inf"))
+    out = torch.bmm(torch.softmax(scores, dim=-1), v)  # [kv_heads, shared * q, d]
+    return out.view(heads, q_len, dim).transpose(0, 1).unsqueeze(0).to(query.dtype)
 
 
 def row_invariant_attention(module, query, key, value, attention_mask, **kwargs):
-    """SDPA, or under `rows_invariant` one-query-row SDPA over exactly the keys each row may see, in sequence
-    order (the call a decode step makes), batched over the rows that see equally many keys.
+    """The attention of a row-invariant model: `exact_attention` for every one-token step and, under
+    `rows_invariant`, for every verify forward, so each verify row computes what the decode step along its
+    path computes; plain SDPA for prefill and batched forwards (nothing compares their rows with a step).
 
     query [B, heads, q, d], key / value [B, kv_heads, kv, d], attention_mask None (causal) or [B, 1, q, kv]."""
-    q_len, kv_len = query.shape[2], key.shape[2]
-    if q_len == 1 or not _ROWWISE.get() or query.shape[0] != 1:
+    if query.shape[0] != 1 or (query.shape[2] > 1 and not _ROWWISE.get()):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    kwargs_row = {**kwargs, "is_causal": False}
-    groups = _row_groups(attention_mask, q_len, kv_len)
-    if groups is None:  # not a verify forward over a full prefix: each row alone over its visible keys
-        out = [
-            sdpa_attention_forward(
-                module, query[:, :, i : i + 1], key[:, :, seen], value[:, :, seen], None, **kwargs_row
-            )[0]
-            for i, seen in enumerate(_seen_by_rows(attention_mask).unbind(0))
-        ]
-        return torch.cat(out, dim=1), None
-    prefix = kv_len - q_len
-    out = query.new_empty(1, q_len, query.shape[1], query.shape[3])  # [B, q, heads, d]
-    for group in groups:
-        rows_query = query[0].index_select(1, group.rows).transpose(0, 1).unsqueeze(2)  # [G, heads, 1, d]
-        k, v = (_group_keys(states, prefix, group) for states in (key, value))
-        attended = sdpa_attention_forward(module, rows_query, k, v, None, **kwargs_row)[0]  # [G, 1, heads, d]
-        out[0].index_copy_(0, group.rows, attended[:, 0])
-    return out, None
+    return exact_attention(query, key, value, attention_mask, kwargs.get("scaling")), None
 
 
 AttentionInterface.register(ATTENTION, row_invariant_attention)

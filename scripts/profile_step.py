@@ -1,13 +1,14 @@
 """Where the time of one decode step and one tree-verify step goes, per weight precision (issue 17).
 
 For each precision: the median wall time of a bare `lab.runtime.decode_step` (one token after a prompt) and of a
-`lab.runtime.verify_tree` over a --nodes-node tree (cache cropped back after each), then one torch.profiler pass
-over the same calls that splits the time into matmul kernels (`aten::mm` / `addmm` and the low-bit
-`_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`), attention (`scaled_dot_product_attention`), the other
+`lab.runtime.verify_tree` over a --nodes-node tree under `rows_invariant`, as the verifier runs it (cache
+cropped back after each), then one torch.profiler pass over the same calls that splits the time into matmul
+kernels (`aten::mm` / `addmm` and the low-bit `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`),
+attention (`scaled_dot_product_attention`, or the float64 ops of `lab.invariance.exact_attention`), the other
 ATen ops (norms, rotary, cache concatenation, elementwise) and the rest: Python and module dispatch, i.e. wall
 time no ATen op accounts for. Finally the per-token wall time of the greedy strategy itself (the step plus
 logits processing, the top-5 alternatives shown in the UI and detokenization). Timings are noisy on a shared
-machine: run it through /work/quiet.
+machine: run it alone.
 
 usage: python scripts/profile_step.py [--precisions bf16,int8,int4] [--steps 40] [--nodes 16]
 """
@@ -22,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lab import runtime
+from lab.invariance import rows_invariant
 from lab.models import LoadedModel, load_model
 from lab.params import build_params
 from lab.trace import summarize
@@ -29,7 +31,9 @@ from lab.tree import TreeAttention, build_tree_attention
 from strategies import collect, get_strategy
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu")
-ATTENTION = ("aten::scaled_dot_product_attention",)
+# SDPA (prefill, batched forwards, float32) and `lab.invariance.exact_attention`'s float64 ops (bf16 decode steps
+# and verify forwards); aten::bmm also holds the rotary embedding's tiny product
+ATTENTION = ("aten::scaled_dot_product_attention", "aten::bmm", "aten::_softmax", "aten::masked_fill_")
 PROMPT = "Explain in two sentences why the sky is blue, then give one everyday example of scattering."
 
 
@@ -52,7 +56,8 @@ def step_calls(loaded: LoadedModel, nodes: int):
         runtime.crop(state, length)
 
     def verify() -> None:
-        runtime.verify_tree(state, tree, drafted)
+        with rows_invariant(loaded):  # as lab.speculative.verify runs it
+            runtime.verify_tree(state, tree, drafted)
         runtime.crop(state, length)
 
     return decode, verify
@@ -80,7 +85,7 @@ def split(fn, steps: int) -> dict[str, float]:
     for event in prof.key_averages():
         if event.key in MATMUL:
             totals["matmul"] += event.self_cpu_time_total
-        elif event.key.startswith(ATTENTION) or "flash_attention" in event.key:
+        elif event.key in ATTENTION or "flash_attention" in event.key:
             totals["attention"] += event.self_cpu_time_total
         elif event.key.startswith("aten::"):
             totals["other ops"] += event.self_cpu_time_total

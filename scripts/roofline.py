@@ -6,7 +6,7 @@ each batch of rows, the time of: bf16 and fp32 `F.linear`, `torch._weight_int8pa
 channel, bf16 activations) and `torch._weight_int4pack_mm_for_cpu` (4-bit groups, bf16 and fp32 activations).
 Effective GB/s = bytes of the weight operand (values plus scales) / time. Each kernel cycles through enough
 copies of its weight to exceed the last-level cache, as a decode step does when it streams every layer once.
-Timings are noisy on a shared machine: run it through /work/quiet and read the table as an estimate.
+Timings are noisy on a shared machine: run it alone and read the table as an estimate.
 
 usage: python scripts/roofline.py [--rows 1,8,16] [--repeats 5] [--shapes q/o,head] [--json out.json]
 """

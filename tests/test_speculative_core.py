@@ -135,9 +135,9 @@ def test_bf16_models_run_row_invariant_forwards(tiny_bf16) -> None:
 
 
 def test_bf16_tree_rows_equal_decode_steps_along_their_paths(tiny_bf16) -> None:
-    """Tree verification (rows grouped by level into one SDPA call each) gives every node, bit for bit, the
-    logits a decode step gives after the same path; the widest level has several rows in one call. (With this
-    40-token prefix, plain masked SDPA gives node 1 other logits than the decode steps do.)"""
+    """Tree verification (all rows in one masked float64 attention call) gives every node, bit for bit, the
+    logits a decode step gives after the same path. (With this 40-token prefix, plain masked SDPA gives node 1
+    other logits than the decode steps do.)"""
     from lab import runtime
     from lab.invariance import rows_invariant
     from lab.tree import build_tree_attention
@@ -155,6 +155,29 @@ def test_bf16_tree_rows_equal_decode_steps_along_their_paths(tiny_bf16) -> None:
         state, _ = runtime.prefill(tiny_bf16, prompt)
         steps = [runtime.decode_step(state, token).logits[-1] for token in path]
         assert torch.equal(rows[node], steps[-1]), f"node {node} (path {path})"
+
+
+def test_exact_attention_rows_do_not_depend_on_the_other_rows_or_the_masked_keys() -> None:
+    """A row of one masked call over many rows equals, bit for bit, the same row computed alone over only the
+    keys it sees (the decode step's call); and it is the float64 attention rounded once."""
+    from lab.invariance import exact_attention
+
+    torch.manual_seed(0)
+    heads, kv_heads, q_len, kv_len, dim = 6, 2, 9, 70, 16
+    query = torch.randn(1, heads, q_len, dim).bfloat16()
+    key, value = (torch.randn(1, kv_heads, kv_len, dim).bfloat16() for _ in range(2))
+    seen = torch.rand(q_len, kv_len) < 0.6
+    seen[:, :30] = True
+    mask = torch.where(seen, 0.0, float("-inf")).bfloat16()[None, None]
+    together = exact_attention(query, key, value, mask, 0.25)  # [1, q, heads, d]
+    for row in range(q_len):
+        keys = seen[row].nonzero()[:, 0]
+        alone = exact_attention(query[:, :, row : row + 1], key[:, :, keys], value[:, :, keys], None, 0.25)
+        assert torch.equal(together[0, row], alone[0, 0]), f"row {row}"
+    grouped = torch.repeat_interleave(torch.arange(kv_heads), heads // kv_heads)
+    scores = (query[0].double() @ key[0, grouped].double().transpose(1, 2) * 0.25).masked_fill(~seen, float("-inf"))
+    reference = (scores.softmax(-1) @ value[0, grouped].double()).transpose(0, 1).bfloat16()
+    assert torch.equal(together[0], reference)
 
 
 @pytest.mark.parametrize(
