@@ -38,23 +38,23 @@ ATTENTION = "lab_rows"
 SWITCH = "DECODING_LAB_ROW_INVARIANT"  # "0" turns row-invariant forwards off (faster tree verification, not exact)
 REDUCED = (torch.bfloat16, torch.float16)
 _ROWWISE = contextvars.ContextVar("lab_rows_invariant", default=False)
-_PLAN = contextvars.ContextVar("lab_rows_plan", default=None)  # (mask, hidden keys) of the last forward
+_PLAN = contextvars.ContextVar("lab_rows_plan", default=None)  # (mask, (q, kv), hidden keys) of the last forward
 
 
 def _hidden_keys(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) -> torch.Tensor | None:
     """[q, kv] bool, True where a query row may not see a key; None when every row sees every key. A missing
-    mask on several rows means causal. The mask is the same for every layer of a forward: computed once."""
-    if attention_mask is None:
-        if q_len == 1:
-            return None
-        rows = torch.arange(q_len).unsqueeze(1) + (kv_len - q_len)
-        return torch.arange(kv_len).unsqueeze(0) > rows
+    mask on several rows means causal. The answer is the same for every layer of a forward: computed once."""
+    if attention_mask is None and q_len == 1:
+        return None
     cached = _PLAN.get()
-    if cached is not None and cached[0] is attention_mask:
-        return cached[1]
-    rows = attention_mask[0, 0]
-    hidden = ~rows if rows.dtype == torch.bool else rows != 0
-    _PLAN.set((attention_mask, hidden))
+    if cached is not None and cached[0] is attention_mask and cached[1] == (q_len, kv_len):
+        return cached[2]
+    if attention_mask is None:  # causal: row i sees the cache and the new rows up to its own
+        hidden = torch.arange(kv_len).unsqueeze(0) > torch.arange(q_len).unsqueeze(1) + (kv_len - q_len)
+    else:
+        rows = attention_mask[0, 0]
+        hidden = ~rows if rows.dtype == torch.bool else rows != 0
+    _PLAN.set((attention_mask, (q_len, kv_len), hidden))
     return hidden
 
 

@@ -11,7 +11,8 @@ mkdir -p "$OUT"
 
 # name | prompt | extra --set options
 # rlm: the shipped examples/traces/rlm.json is the tally run (100k tokens, 35 sub-calls) that
-# `python -m lab eval rlm --limit 6 --sizes 20000 --tally 1 --traces DIR` saved; its line records the same task
+# `python -m lab eval rlm --limit 6 --sizes 20000 --tally 1 --traces DIR` saved; its line records the same task,
+# with TOKENS tokens per call where the eval used 128
 EXAMPLES=(
   "greedy|Why is the sky blue? Explain it simply.|"
   "sample|Write a short poem about a lighthouse keeper who waits for a ship that never comes.|--set temperature=0.8"

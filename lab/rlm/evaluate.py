@@ -64,12 +64,9 @@ def task_params(kind: str, size: int, seed: int, extra: dict | None = None):
     return build_params(get_strategy("rlm").Params, values)
 
 
-def run_rlm(
-    loaded: LoadedModel, kind: str, size: int, seed: int, extra: dict | None = None
-) -> tuple[RlmResult, RlmContext, float, list]:
-    """One rlm run with the strategy's defaults (plus `extra` params); (result, context, seconds, events)."""
+def run_rlm(loaded: LoadedModel, params, seed: int) -> tuple[RlmResult, RlmContext, float, list]:
+    """One rlm run of `params` (from `task_params`), seeded; (result, context, seconds, events)."""
     strategy = get_strategy("rlm")
-    params = task_params(kind, size, seed, extra)
     start = time.perf_counter()
     events = list(strategy.run(loaded, loaded.encode("(task question)"), params, make_generator(seed, loaded.device)))
     result = next(e for e in events if isinstance(e, RlmResult))
@@ -106,9 +103,10 @@ def _is_fact(task: tasks.Task, line: str) -> bool:
 
 def _one(loaded: LoadedModel, kind: str, size: int, seed: int, extra: dict | None, keep: list | None) -> TaskRun:
     task = tasks.make_task(kind, size, seed)
-    result, context, rlm_s, events = run_rlm(loaded, kind, size, seed, extra)
+    params = task_params(kind, size, seed, extra)
+    result, context, rlm_s, events = run_rlm(loaded, params, seed)
     if keep is not None:
-        keep.append((kind, seed, result.correct, events, dataclasses.asdict(task_params(kind, size, seed, extra))))
+        keep.append((kind, seed, result.correct, events, dataclasses.asdict(params)))
     answer, direct_tokens, visible, direct_s = run_direct(loaded, task)
     return TaskRun(
         kind, seed, context.context_tokens, task.answer, result.answer, bool(result.correct), result.tokens,
