@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lab import lean_forward
 from lab.invariance import make_rows_invariant
 from lab.quant import quantize_model, resolve_precision
 
@@ -55,6 +56,11 @@ class LoadedModel:
     @property
     def config(self):
         return self.model.config
+
+    @property
+    def lean(self) -> bool:
+        """Whether forwards take `lab.lean_forward` (same numbers as model(...), less per-module overhead)."""
+        return lean_forward.supports(self.model)
 
     @property
     def num_layers(self) -> int:

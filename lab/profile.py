@@ -12,8 +12,9 @@ inside another module's forward or a section) and file it under a bucket:
   target's layers or LM head counts as "draft");
 - "other": the rest of the run's wall time: sampling, tree bookkeeping outside the sections,
   detokenising and trace events.
-The hooks add a little time per module call, so the profile runs in its own pass after the timed bench and its
-wall times are not the bench's tokens/s. On CUDA the profile synchronises after each
+The hooks add a little time per module call, and while they are set the target runs through `model(...)` rather
+than `lab.lean_forward` (whose per-layer calls hooks would not see), so the profile runs in its own pass after
+the timed bench and its wall times are not the bench's tokens/s. On CUDA the profile synchronises after each
 outermost call (slower, but GPU time lands in the right bucket). Only the thread that started the timer is
 timed (SSD's drafter thread runs beside it, unprofiled).
 Not covered: operator-level profiles (use torch.profiler), memory.

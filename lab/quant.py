@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+import types
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -37,6 +38,9 @@ from torch import nn
 
 PRECISIONS = ("auto", "bf16", "int8", "int4")
 GROUP = 32  # ggml's QK4_1: weights per Q4_1 block
+# `_convert_weight_to_int4pack_for_cpu` interleaves output channels in blocks of 64 (a last, partial block packs
+# differently), so packed weights can be stacked only after parts whose output sizes are multiples of 64
+INT4_PACK_BLOCK = 64
 Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
@@ -87,6 +91,14 @@ def permute_rows_like_hf(groups: Q4Groups, heads: int) -> Q4Groups:
     return Q4Groups(groups.q[order], groups.d[order], groups.m[order])
 
 
+def _activations(x: torch.Tensor, features: int, dtype: torch.dtype) -> torch.Tensor:
+    """x as the contiguous [M, K] matrix in `dtype` that the low-bit kernels take (no copy when it already is)."""
+    flat = x.reshape(-1, features)
+    if flat.dtype != dtype:
+        flat = flat.to(dtype)
+    return flat if flat.is_contiguous() else flat.contiguous()
+
+
 class Int8Linear(nn.Module):
     """y = x W^T + b with W stored as int8 per output channel (`torch._weight_int8pack_mm`)."""
 
@@ -105,10 +117,12 @@ class Int8Linear(nn.Module):
         return self.qweight.to(self.scales.dtype) * self.scales[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()  # [M, K]
-        y = torch._weight_int8pack_mm(flat, self.qweight, self.scales)  # [M, N]
-        if self.bias is not None:
-            y = y + self.bias
+        buffers = self._buffers  # direct reads: a decode step makes ~150 of these calls (issue 17, overhead)
+        scales, bias = buffers["scales"], buffers["bias"]
+        flat = _activations(x, self.in_features, scales.dtype)  # [M, K]
+        y = torch._weight_int8pack_mm(flat, buffers["qweight"], scales)  # [M, N]
+        if bias is not None:
+            y = y + bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -132,11 +146,58 @@ class Int4Linear(nn.Module):
         return torch._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_and_zeros).T.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()  # [M, K]
-        y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_zeros)  # [M, N]
-        if self.bias is not None:
-            y = y + self.bias
+        buffers = self._buffers
+        scales_and_zeros, bias = buffers["scales_and_zeros"], buffers["bias"]
+        flat = _activations(x, self.in_features, scales_and_zeros.dtype)  # [M, K]
+        y = torch._weight_int4pack_mm_for_cpu(flat, buffers["packed"], GROUP, scales_and_zeros)  # [M, N]
+        if bias is not None:
+            y = y + bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def concatenate(linears: list[nn.Module]) -> nn.Module | None:
+    """One linear whose output is the outputs of `linears` (same input size, same type) side by side, or None
+    when they cannot be joined (mixed types or biases, float32 or GPU float weights).
+
+    `lab.lean_forward` runs q / k / v and gate / up this way: one kernel call instead of three or two. The
+    weights are stacked along the output dimension, and each output column of these kernels is its own dot
+    product over the input, so every output equals the separate product's bit for bit (tested on the
+    embedded model's shapes and on tiny models). Packed 4-bit parts join only after parts whose output size is
+    a multiple of `INT4_PACK_BLOCK`. The float case is restricted to reduced precision on a CPU,
+    where that equality was measured; float32 and CUDA keep separate products."""
+    kinds = {type(m) for m in linears}
+    biases = {m.bias is None for m in linears}
+    if len(kinds) != 1 or len(biases) != 1 or len({m.in_features for m in linears}) != 1:
+        return None
+    first, kind = linears[0], kinds.pop()
+    bias = None if first.bias is None else torch.cat([m.bias for m in linears])
+    if kind is Int4Linear:
+        if any(m.out_features % INT4_PACK_BLOCK for m in linears[:-1]):
+            return None  # a part ending in a partial block of the packed layout would shift the next part
+        joined = copy.copy(first)  # module attributes shared; buffers replaced below
+        joined._buffers = {
+            "packed": torch.cat([m.packed for m in linears]),  # [N, K / 2] per part
+            "scales_and_zeros": torch.cat([m.scales_and_zeros for m in linears], 1),  # [K / 32, N, 2]
+            "bias": bias,
+        }
+    elif kind is Int8Linear:
+        joined = copy.copy(first)
+        joined._buffers = {
+            "qweight": torch.cat([m.qweight for m in linears]),
+            "scales": torch.cat([m.scales for m in linears]),
+            "bias": bias,
+        }
+    elif kind is nn.Linear and first.weight.dtype in (torch.bfloat16, torch.float16) and first.weight.is_cpu:
+        joined = copy.copy(first)
+        weight = nn.Parameter(torch.cat([m.weight for m in linears]), requires_grad=False)
+        joined._parameters = {"weight": weight, "bias": None if bias is None else nn.Parameter(bias, False)}
+    else:
+        return None
+    forward = first.__dict__.get("forward")  # an instance-level forward (lab.invariance's two-row product)
+    if forward is not None:
+        joined.forward = types.MethodType(forward.__func__, joined)
+    joined.out_features = sum(m.out_features for m in linears)
+    return joined
 
 
 def int4_supported(linear: nn.Linear) -> bool:

@@ -4,6 +4,8 @@ Covered: prefill, one decode step, a multi-token verify step (a chain), a tree v
 `lab.tree`), per-layer hidden states, early-exit logits `lm_head(h_l)` (optionally through the final norm),
 and KV rollback: `crop(n)` for chains, `select(positions)` to keep an accepted tree path.
 Each call that runs the model counts one forward in `DecodeState.forwards` (the "target forwards" statistic).
+Llama-architecture models run through `lab.lean_forward` (the same numbers as `model(...)`, less per-module
+overhead); other models through `model(...)`.
 Not covered: batching several sequences (CFG batches its two branches itself), paged or static caches.
 """
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from lab.lean_forward import lean_forward
 from lab.models import LoadedModel
 from lab.profile import section
 from lab.tree import TreeAttention
@@ -57,21 +60,32 @@ def forward(
     hidden_states: bool = False,
 ) -> ForwardOutput:
     """Run `token_ids` after the cached prefix, append their KV to the cache, return float32 logits."""
-    device = state.loaded.device
-    input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)  # [1, T]
-    out = state.loaded.model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        cache=state.cache,
-        use_cache=True,
-        logits_to_keep=1 if last_only else 0,
-        output_hidden_states=hidden_states,
-    )
+    loaded = state.loaded
+    input_ids = torch.tensor([token_ids], dtype=torch.long, device=loaded.device)  # [1, T]
+    if loaded.lean:  # transformers' arithmetic without its per-module dispatch (lab.lean_forward)
+        logits, hidden = lean_forward(
+            loaded.model,
+            input_ids,
+            state.cache,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=1 if last_only else 0,
+            output_hidden_states=hidden_states,
+        )
+    else:
+        out = loaded.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=state.cache,
+            use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+            output_hidden_states=hidden_states,
+        )
+        logits, hidden = out.logits, out.hidden_states
     state.forwards += 1
     state.tokens.extend(token_ids)
-    hidden = tuple(h[0] for h in out.hidden_states) if hidden_states else None
-    return ForwardOutput(out.logits[0].float(), hidden)  # [T, V]
+    return ForwardOutput(logits[0].float(), tuple(h[0] for h in hidden) if hidden_states else None)  # [T, V]
 
 
 def prefill(
