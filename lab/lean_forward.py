@@ -9,16 +9,17 @@ config names, the LM head) and runs each layer's submodules by calling their own
 `LlamaDecoderLayer.forward` and `LlamaAttention.forward` do, so every tensor op, and hence every rounding, is the
 one transformers performs. One change of shape, not of numbers: q / k / v and gate / up run as one product each
 (`lab.quant.concatenate`; each output column is its own dot product, so the outputs are the separate products'
-bit for bit) instead of three and two kernel calls. Logits, hidden states and cache contents are bit for bit
+bit for bit) instead of three and two kernel calls, and the rotary embedding rotates the query and key heads in
+one pass of its elementwise ops instead of two. Logits, hidden states and cache contents are bit for bit
 those of `model(...)` (tested on tiny random models in float32, bf16 and the low-bit precisions, and on the
 embedded model, for one-token steps, causal chains and tree masks). What it leaves out: training (dropout),
 output attentions, gradient checkpointing and hub kernels.
 
 `supports(model)` says whether a model can take this path: a `LlamaForCausalLM` whose layers are transformers'
-own classes without hooks and whose RMSNorm forward is not replaced by a hub kernel, in eval mode, while no global
-module hook is set. Everything else (other architectures, a hooked or profiled model) takes `model(...)`. The
-embedding and the LM head are called as modules, so hooks on them run. `DECODING_LAB_LEAN_FORWARD=0` turns the
-path off.
+own classes without hooks and whose RMSNorm forward and rotary embedding are not replaced by hub kernels, in eval
+mode, while no global module hook is set. Everything else (other architectures, a hooked or profiled model) takes
+`model(...)`. The embedding and the LM head are called as modules, so hooks on them run.
+`DECODING_LAB_LEAN_FORWARD=0` turns the path off.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ def _structure_supported(model: torch.nn.Module) -> bool:
         parts = (layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
         if any(type(part) not in _LAYER_CLASSES or _hooked(part) for part in parts):
             return False
-    # a hub kernel would replace the class's forward; the lean path must run the one transformers runs
-    return LlamaRMSNorm.forward.__qualname__ == "LlamaRMSNorm.forward"
+    # a hub kernel would replace these; the lean path must run the ops transformers runs
+    rotary = modeling_llama.apply_rotary_pos_emb
+    return LlamaRMSNorm.forward.__qualname__ == "LlamaRMSNorm.forward" and rotary.__name__ == "apply_rotary_pos_emb"
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -92,6 +94,12 @@ class _Joined:
             return tuple(part.forward(x) for part in self.parts)
         return self.joined.forward(x).split(self.sizes, dim=-1)
 
+    def side_by_side(self, x: torch.Tensor) -> torch.Tensor:
+        """The parts' outputs side by side in one tensor [..., sum of out_features]."""
+        if self.joined is None:
+            return torch.cat([part.forward(x) for part in self.parts], dim=-1)
+        return self.joined.forward(x)
+
 
 def _joined(owner: torch.nn.Module, names: tuple[str, ...]) -> _Joined:
     parts = tuple(getattr(owner, name) for name in names)
@@ -102,15 +110,22 @@ def _joined(owner: torch.nn.Module, names: tuple[str, ...]) -> _Joined:
     return cached
 
 
+def _rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary_pos_emb`'s ops, x cos + rotate_half(x) sin, on the query and key heads in one tensor
+    [B, heads, T, d] (elementwise, so each element is the one transformers computes)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (states * cos) + (modeling_llama.rotate_half(states) * sin)
+
+
 def _attention(attn: LlamaAttention, hidden, position_embeddings, mask, cache, interface):
     """`LlamaAttention.forward` at inference: projections, rotary embedding, cache update, attention, o_proj."""
     input_shape = hidden.shape[:-1]
-    hidden_shape = (*input_shape, -1, attn.head_dim)
-    query, key, value = (
-        part.view(hidden_shape).transpose(1, 2) for part in _joined(attn, ("q_proj", "k_proj", "v_proj"))(hidden)
-    )
-    cos, sin = position_embeddings
-    query, key = modeling_llama.apply_rotary_pos_emb(query, key, cos, sin)
+    projections = _joined(attn, ("q_proj", "k_proj", "v_proj"))
+    heads = projections.sizes[0] // attn.head_dim
+    rotated = heads + projections.sizes[1] // attn.head_dim  # query heads, then key heads, then value heads
+    states = projections.side_by_side(hidden).view(*input_shape, -1, attn.head_dim).transpose(1, 2)
+    query_key = _rotary(states[:, :rotated], *position_embeddings)
+    query, key, value = query_key[:, :heads], query_key[:, heads:], states[:, rotated:]
     key, value = cache.update(key, value, attn.layer_idx)
     out, _ = interface(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling)
     return attn.o_proj.forward(out.reshape(*input_shape, -1).contiguous())
