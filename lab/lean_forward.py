@@ -81,21 +81,16 @@ def supports(model: torch.nn.Module) -> bool:
 
 
 class _Joined:
-    """Linears that read the same input run as one product (`lab.quant.concatenate`), outputs split back; falls
-    back to the separate products when they cannot be joined. Rebuilt when a part is replaced."""
+    """Linears that read the same input run as one product (`lab.quant.concatenate`); falls back to the separate
+    products, concatenated, when they cannot be joined. Rebuilt when a part is replaced."""
 
     def __init__(self, parts: tuple[torch.nn.Module, ...]) -> None:
         self.parts = parts
         self.joined = concatenate(list(parts))
         self.sizes = [part.out_features for part in parts]
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.joined is None:
-            return tuple(part.forward(x) for part in self.parts)
-        return self.joined.forward(x).split(self.sizes, dim=-1)
-
-    def side_by_side(self, x: torch.Tensor) -> torch.Tensor:
-        """The parts' outputs side by side in one tensor [..., sum of out_features]."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The parts' outputs side by side in one tensor [..., sum of `sizes`]."""
         if self.joined is None:
             return torch.cat([part.forward(x) for part in self.parts], dim=-1)
         return self.joined.forward(x)
@@ -123,7 +118,7 @@ def _attention(attn: LlamaAttention, hidden, position_embeddings, mask, cache, i
     projections = _joined(attn, ("q_proj", "k_proj", "v_proj"))
     heads = projections.sizes[0] // attn.head_dim
     rotated = heads + projections.sizes[1] // attn.head_dim  # query heads, then key heads, then value heads
-    states = projections.side_by_side(hidden).view(*input_shape, -1, attn.head_dim).transpose(1, 2)
+    states = projections(hidden).view(*input_shape, -1, attn.head_dim).transpose(1, 2)
     query_key = _rotary(states[:, :rotated], *position_embeddings)
     query, key, value = query_key[:, :heads], query_key[:, heads:], states[:, rotated:]
     key, value = cache.update(key, value, attn.layer_idx)
@@ -133,7 +128,8 @@ def _attention(attn: LlamaAttention, hidden, position_embeddings, mask, cache, i
 
 def _mlp(mlp: LlamaMLP, hidden: torch.Tensor) -> torch.Tensor:
     """`LlamaMLP.forward`: down(act(gate(x)) * up(x)), gate and up as one product."""
-    gate, up = _joined(mlp, ("gate_proj", "up_proj"))(hidden)
+    projections = _joined(mlp, ("gate_proj", "up_proj"))
+    gate, up = projections(hidden).split(projections.sizes, dim=-1)
     return mlp.down_proj.forward(mlp.act_fn(gate) * up)
 
 

@@ -62,26 +62,16 @@ def forward(
     """Run `token_ids` after the cached prefix, append their KV to the cache, return float32 logits."""
     loaded = state.loaded
     input_ids = torch.tensor([token_ids], dtype=torch.long, device=loaded.device)  # [1, T]
+    options = {
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "logits_to_keep": 1 if last_only else 0,
+        "output_hidden_states": hidden_states,
+    }
     if loaded.lean:  # transformers' arithmetic without its per-module dispatch (lab.lean_forward)
-        logits, hidden = lean_forward(
-            loaded.model,
-            input_ids,
-            state.cache,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=1 if last_only else 0,
-            output_hidden_states=hidden_states,
-        )
+        logits, hidden = lean_forward(loaded.model, input_ids, state.cache, **options)
     else:
-        out = loaded.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=state.cache,
-            use_cache=True,
-            logits_to_keep=1 if last_only else 0,
-            output_hidden_states=hidden_states,
-        )
+        out = loaded.model(input_ids=input_ids, cache=state.cache, use_cache=True, **options)
         logits, hidden = out.logits, out.hidden_states
     state.forwards += 1
     state.tokens.extend(token_ids)
