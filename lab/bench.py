@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from lab import native_forward
 from lab.bench_reference import (  # noqa: I001
     HF_ASSIST_ROW,
     HF_ROW,
@@ -320,6 +321,7 @@ def run_bench(
     first = requests[next(iter(requests))]
     base = validate_request("greedy", texts[0], {}, model=model, device=device, dtype=dtype, precision=precision)
     loaded = prepare(base)[0]
+    native = loaded.device.type == "cpu" and native_forward.enabled()  # built before anything is timed
     models = {precision: loaded} | {runs[0].precision: prepare(runs[0])[0] for runs in requests.values()}
     prompt_ids = [prepare(request)[1] for request in first]  # same ids for every row
     longest = max(len(ids) for ids in prompt_ids) + max_new_tokens + 8
@@ -339,7 +341,7 @@ def run_bench(
         own = requests[name][0].precision if name in requests else loaded.precision
         rows[-1].precision = "" if name == LLAMA_CPP_ROW else own
     settings = {"strategies": list(requests), "max_new_tokens": max_new_tokens, "repeat": repeat, "seed": seed}
-    extra = {"params": params or {}, "hf_assist": hf_assist, "llama_cpp": llama_cpp}
+    extra = {"params": params or {}, "hf_assist": hf_assist, "llama_cpp": llama_cpp, "native_layers": native}
     config = _config(loaded, prompts, len(texts), **settings, limit=limit, hf=hf, **extra)
     return BenchResult(config, rows, _profile(requests, models, prompt_ids, progress) if profile else [])
 
@@ -347,9 +349,10 @@ def run_bench(
 def format_table(result: BenchResult) -> str:
     """A markdown table of the rows, preceded by a one-line description of the configuration."""
     c = result.config
+    native = ", native decoder layers" if c.get("native_layers") else ""
     head = (
         f"{c['model']} on {c['device']} ({c['dtype']}, {c.get('precision', 'bf16')} weights unless a row says "
-        f"otherwise, {c['threads']} threads), {c['n_prompts']} prompts x "
+        f"otherwise, {c['threads']} threads{native}), {c['n_prompts']} prompts x "
         f"{c['repeat']} repeat(s), max_new_tokens={c['max_new_tokens']}\n\n"
     )
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]

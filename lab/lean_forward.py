@@ -20,6 +20,10 @@ own classes without hooks and whose RMSNorm forward and rotary embedding are not
 mode, while no global module hook is set. Everything else (other architectures, a hooked or profiled model) takes
 `model(...)`. The embedding and the LM head are called as modules, so hooks on them run.
 `DECODING_LAB_LEAN_FORWARD=0` turns the path off.
+
+The decoder layers of the forwards that decide lossless decoding on a CPU (one-token steps and verify forwards
+under `rows_invariant`, reduced precision) run as one C++ call of the same ops (`lab.native_forward`); the
+Python loop below runs everything else, and all of it where the op is not built.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
 )
 
-from lab.quant import concatenate
+from lab.native_forward import decoder_layers
+from lab.quant import joined_linears
 
 SWITCH = "DECODING_LAB_LEAN_FORWARD"  # "0" sends every forward through model(...) (for comparisons)
 _LAYER_CLASSES = {LlamaDecoderLayer, LlamaAttention, LlamaMLP, LlamaRMSNorm}
@@ -80,31 +85,6 @@ def supports(model: torch.nn.Module) -> bool:
     return verdict
 
 
-class _Joined:
-    """Linears that read the same input run as one product (`lab.quant.concatenate`); falls back to the separate
-    products, concatenated, when they cannot be joined. Rebuilt when a part is replaced."""
-
-    def __init__(self, parts: tuple[torch.nn.Module, ...]) -> None:
-        self.parts = parts
-        self.joined = concatenate(list(parts))
-        self.sizes = [part.out_features for part in parts]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The parts' outputs side by side in one tensor [..., sum of `sizes`]."""
-        if self.joined is None:
-            return torch.cat([part.forward(x) for part in self.parts], dim=-1)
-        return self.joined.forward(x)
-
-
-def _joined(owner: torch.nn.Module, names: tuple[str, ...]) -> _Joined:
-    parts = tuple(getattr(owner, name) for name in names)
-    key = "_lab_joined_" + "_".join(names)
-    cached = owner.__dict__.get(key)
-    if cached is None or any(a is not b for a, b in zip(cached.parts, parts, strict=True)):
-        cached = owner.__dict__[key] = _Joined(parts)
-    return cached
-
-
 def _rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`apply_rotary_pos_emb`'s ops, x cos + rotate_half(x) sin, on the query and key heads in one tensor
     [B, heads, T, d] (elementwise, so each element is the one transformers computes)."""
@@ -115,7 +95,7 @@ def _rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def _attention(attn: LlamaAttention, hidden, position_embeddings, mask, cache, interface):
     """`LlamaAttention.forward` at inference: projections, rotary embedding, cache update, attention, o_proj."""
     input_shape = hidden.shape[:-1]
-    projections = _joined(attn, ("q_proj", "k_proj", "v_proj"))
+    projections = joined_linears(attn, ("q_proj", "k_proj", "v_proj"))
     heads = projections.sizes[0] // attn.head_dim
     rotated = heads + projections.sizes[1] // attn.head_dim  # query heads, then key heads, then value heads
     states = projections(hidden).view(*input_shape, -1, attn.head_dim).transpose(1, 2)
@@ -128,7 +108,7 @@ def _attention(attn: LlamaAttention, hidden, position_embeddings, mask, cache, i
 
 def _mlp(mlp: LlamaMLP, hidden: torch.Tensor) -> torch.Tensor:
     """`LlamaMLP.forward`: down(act(gate(x)) * up(x)), gate and up as one product."""
-    projections = _joined(mlp, ("gate_proj", "up_proj"))
+    projections = joined_linears(mlp, ("gate_proj", "up_proj"))
     gate, up = projections(hidden).split(projections.sizes, dim=-1)
     return mlp.down_proj.forward(mlp.act_fn(gate) * up)
 
@@ -159,16 +139,21 @@ def lean_forward(
     position_embeddings = decoder.rotary_emb.forward(embeds, position_ids=position_ids)
     eager = modeling_llama.eager_attention_forward
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)
-    hidden = embeds
-    recorded = [embeds] if output_hidden_states else None
-    for layer in decoder.layers[: config.num_hidden_layers]:
-        normed = layer.input_layernorm.forward(hidden)
-        hidden = hidden + _attention(layer.self_attn, normed, position_embeddings, mask, cache, interface)
-        hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm.forward(hidden))
+    native = decoder_layers(model, embeds, cache, position_embeddings, mask, output_hidden_states)
+    if native is not None:  # the same ops from C++ (lab.native_forward)
+        hidden, layer_outputs = native
+        recorded = None if layer_outputs is None else [embeds, *layer_outputs[:-1], hidden]
+    else:
+        hidden = embeds
+        recorded = [embeds] if output_hidden_states else None
+        for layer in decoder.layers[: config.num_hidden_layers]:
+            normed = layer.input_layernorm.forward(hidden)
+            hidden = hidden + _attention(layer.self_attn, normed, position_embeddings, mask, cache, interface)
+            hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm.forward(hidden))
+            if recorded is not None:
+                recorded.append(hidden)
+        hidden = decoder.norm.forward(hidden)
         if recorded is not None:
-            recorded.append(hidden)
-    hidden = decoder.norm.forward(hidden)
-    if recorded is not None:
-        recorded[-1] = hidden
+            recorded[-1] = hidden
     kept = hidden[:, -logits_to_keep:, :] if logits_to_keep else hidden
     return model.lm_head(kept), None if recorded is None else tuple(recorded)

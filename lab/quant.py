@@ -200,6 +200,33 @@ def concatenate(linears: list[nn.Module]) -> nn.Module | None:
     return joined
 
 
+class JoinedLinears:
+    """Linears that read the same input run as one product (`concatenate`); falls back to the separate products,
+    concatenated, when they cannot be joined."""
+
+    def __init__(self, parts: tuple[nn.Module, ...]) -> None:
+        self.parts = parts
+        self.joined = concatenate(list(parts))
+        self.sizes = [part.out_features for part in parts]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The parts' outputs side by side in one tensor [..., sum of `sizes`]."""
+        if self.joined is None:
+            return torch.cat([part.forward(x) for part in self.parts], dim=-1)
+        return self.joined.forward(x)
+
+
+def joined_linears(owner: nn.Module, names: tuple[str, ...]) -> JoinedLinears:
+    """The `JoinedLinears` of `owner`'s linears `names` (e.g. q / k / v), cached on `owner`, rebuilt when a part
+    is replaced."""
+    parts = tuple(getattr(owner, name) for name in names)
+    key = "_lab_joined_" + "_".join(names)
+    cached = owner.__dict__.get(key)
+    if cached is None or any(a is not b for a, b in zip(cached.parts, parts, strict=True)):
+        cached = owner.__dict__[key] = JoinedLinears(parts)
+    return cached
+
+
 def int4_supported(linear: nn.Linear) -> bool:
     return linear.out_features % 16 == 0 and linear.in_features % GROUP == 0
 

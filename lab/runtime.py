@@ -5,7 +5,8 @@ Covered: prefill, one decode step, a multi-token verify step (a chain), a tree v
 and KV rollback: `crop(n)` for chains, `select(positions)` to keep an accepted tree path.
 Each call that runs the model counts one forward in `DecodeState.forwards` (the "target forwards" statistic).
 Llama-architecture models run through `lab.lean_forward` (the same numbers as `model(...)`, less per-module
-overhead); other models through `model(...)`.
+overhead; on a CPU the decode steps' and verify forwards' layers as one C++ call, `lab.native_forward`); other
+models through `model(...)`.
 Not covered: batching several sequences (CFG batches its two branches itself), paged or static caches.
 """
 

@@ -8,21 +8,27 @@ attention (`scaled_dot_product_attention`, or the float64 ops of `lab.invariance
 ATen ops (norms, rotary, cache concatenation, elementwise) and the rest: Python and module dispatch, i.e. wall
 time no ATen op accounts for. Finally the per-token wall time of the greedy strategy itself (the step plus
 logits processing, the top-5 alternatives shown in the UI and detokenization). Timings are noisy on a shared
-machine: run it alone.
+machine: run it alone. With the C++ decoder layers (`lab.native_forward`) the attention loop runs inside
+`decoding_lab::decoder_layers`, whose self time (that loop and the op's own bookkeeping) counts as attention.
 
-usage: python scripts/profile_step.py [--precisions bf16,int8,int4] [--steps 40] [--nodes 16]
+`--compare-native` instead times the decode step and the tree verify with the C++ layers on and off
+(`DECODING_LAB_NATIVE_FORWARD`), interleaved in rounds in one process, so the machine's drift hits both alike,
+and checks that both give the same logits.
+
+usage: python scripts/profile_step.py [--precisions bf16,int8,int4] [--steps 40] [--nodes 16] [--compare-native]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lab import runtime
+from lab import native_forward, runtime
 from lab.invariance import rows_invariant
 from lab.models import LoadedModel, load_model
 from lab.params import build_params
@@ -34,6 +40,7 @@ MATMUL = ("aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_weight
 # SDPA (prefill, batched forwards, float32) and `lab.invariance.exact_attention`'s float64 ops (bf16 decode steps
 # and verify forwards); aten::bmm also holds the rotary embedding's tiny product
 ATTENTION = ("aten::scaled_dot_product_attention", "aten::bmm", "aten::_softmax", "aten::masked_fill_")
+NATIVE = "decoding_lab::decoder_layers"  # its self time: the C++ attention loop and the op's bookkeeping
 PROMPT = "Explain in two sentences why the sky is blue, then give one everyday example of scattering."
 
 
@@ -85,7 +92,7 @@ def split(fn, steps: int) -> dict[str, float]:
     for event in prof.key_averages():
         if event.key in MATMUL:
             totals["matmul"] += event.self_cpu_time_total
-        elif event.key in ATTENTION or "flash_attention" in event.key:
+        elif event.key in ATTENTION or event.key == NATIVE or "flash_attention" in event.key:
             totals["attention"] += event.self_cpu_time_total
         elif event.key.startswith("aten::"):
             totals["other ops"] += event.self_cpu_time_total
@@ -103,14 +110,55 @@ def greedy_ms_per_token(loaded: LoadedModel, tokens: int) -> float:
     return 1000 * stats.wall_s / max(stats.new_tokens, 1)
 
 
+def compare_native(loaded: LoadedModel, nodes: int, steps: int, rounds: int = 8) -> list[str]:
+    """Table rows: median ms with the C++ layers off and on, interleaved in `rounds` rounds of `steps` calls."""
+    lines = []
+    for label, fn in zip(("decode step", f"verify {nodes}-node tree"), step_calls(loaded, nodes), strict=True):
+        times: dict[str, list[float]] = {"0": [], "1": []}
+        for index in range(rounds):
+            for switch in ("0", "1") if index % 2 == 0 else ("1", "0"):
+                os.environ[native_forward.SWITCH] = switch
+                times[switch].append(median_ms(fn, steps))
+        off, on = statistics.median(times["0"]), statistics.median(times["1"])
+        lines.append(f"| {loaded.precision} | {label} | {off:.2f} | {on:.2f} | {off / on:.2f}x |")
+    os.environ.pop(native_forward.SWITCH, None)
+    return lines
+
+
+def same_logits(loaded: LoadedModel) -> bool:
+    """A few greedy steps with the C++ layers off and on give the same logits (bit for bit)."""
+    outputs = []
+    for switch in ("0", "1"):
+        os.environ[native_forward.SWITCH] = switch
+        state, out = runtime.prefill(loaded, loaded.encode(PROMPT))
+        logits = [out.logits[-1]]
+        for _ in range(8):
+            out = runtime.decode_step(state, int(logits[-1].argmax()))
+            logits.append(out.logits[-1])
+        outputs.append(torch.stack(logits))
+    os.environ.pop(native_forward.SWITCH, None)
+    return torch.equal(*outputs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--precisions", default="bf16,int8,int4")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--nodes", type=int, default=16)
+    parser.add_argument("--compare-native", action="store_true", help="C++ layers off / on, interleaved")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}\n")
+    native = native_forward.enabled()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}, C++ layers {native}\n")
+    if args.compare_native:
+        lines = ["| precision | call | C++ layers off: median ms | on: median ms | speedup |", "|---|---|---|---|---|"]
+        for precision in args.precisions.split(","):
+            loaded = load_model("smollm2-135m", device="cpu", dtype=args.dtype, precision=precision)
+            with torch.inference_mode():
+                lines += compare_native(loaded, args.nodes, args.steps)
+                print(f"{precision}: same logits with and without: {same_logits(loaded)}")
+        print("\n".join(lines))
+        return
     header = "| precision | call | median ms | matmul | attention | other ATen ops | rest (Python, dispatch) |"
     lines = [header, "|---|---|---|---|---|---|---|"]
     greedy_lines = []

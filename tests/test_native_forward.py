@@ -1,0 +1,146 @@
+"""`lab.native_forward` (the decoder layers as one C++ op) computes what the Python loop of `lab.lean_forward`
+computes: logits, hidden states and cache, bit for bit, for every forward it takes (one-token steps, chains and
+tree verifies under `rows_invariant`), at every precision; forwards it does not take keep the Python loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from lab import native_forward
+from lab.invariance import _hidden_keys, exact_attention, rows_invariant
+from lab.lean_forward import lean_forward
+from lab.models import load_model, wrap_model
+from lab.quant import Int8Linear, quantize_model
+from lab.tree import build_tree_attention
+from tests.test_lean_forward import _forwards
+from tests.tiny import ByteTokenizer, tiny_llama
+
+pytestmark = pytest.mark.skipif(not native_forward.build(), reason="no C++ compiler: the Python loop runs")
+
+
+@pytest.fixture
+def op_calls(monkeypatch) -> list[int]:
+    """Counts the op's calls (its token counts)."""
+    calls: list[int] = []
+    real = torch.ops.decoding_lab.decoder_layers
+
+    def counted(embeds, *args):
+        calls.append(embeds.shape[1])
+        return real(embeds, *args)
+
+    monkeypatch.setattr(torch.ops.decoding_lab, "decoder_layers", counted)
+    return calls
+
+
+def _run(model, forwards, native: bool, monkeypatch) -> tuple[list, DynamicCache]:
+    monkeypatch.setenv(native_forward.SWITCH, "1" if native else "0")
+    cache, outputs = DynamicCache(config=model.config), []
+    with torch.inference_mode():
+        for ids, kwargs in forwards:
+            outputs.append(lean_forward(model, torch.tensor([ids]), cache, output_hidden_states=True, **kwargs))
+    return outputs, cache
+
+
+def assert_native_equals_python(model, forwards, monkeypatch) -> None:
+    native, native_cache = _run(model, forwards, True, monkeypatch)
+    python, python_cache = _run(model, forwards, False, monkeypatch)
+    for (logits_a, hidden_a), (logits_b, hidden_b) in zip(native, python, strict=True):
+        assert torch.equal(logits_a, logits_b)
+        assert all(torch.equal(a, b) for a, b in zip(hidden_a, hidden_b, strict=True))
+    for a, b in zip(native_cache.layers, python_cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize(
+    "dtype,precision,hidden",
+    [
+        (torch.bfloat16, "bf16", 64),  # the two-row float product
+        (torch.float16, "bf16", 64),
+        (torch.bfloat16, "int8", 64),
+        (torch.bfloat16, "int4", 64),  # q / k / v as three products
+        (torch.bfloat16, "int4", 128),  # q / k / v joined
+    ],
+)
+def test_native_layers_equal_the_python_loop(dtype, precision, hidden, monkeypatch, op_calls) -> None:
+    model = tiny_llama(5, layers=3, hidden=hidden).to(dtype)
+    quantize_model(model, precision, dtype)
+    loaded = wrap_model(model, ByteTokenizer())
+    with rows_invariant(loaded):
+        assert_native_equals_python(model, _forwards(9), monkeypatch)
+    assert op_calls == [1, 3, 6]  # the step, the chain, the tree; prefill keeps SDPA
+    op_calls.clear()
+    assert_native_equals_python(model, _forwards(9), monkeypatch)
+    assert op_calls == [1]  # outside rows_invariant a multi-token forward takes SDPA, not the op
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int4"])
+def test_native_layers_on_the_embedded_model(precision, monkeypatch, op_calls) -> None:
+    loaded = load_model("smollm2-135m", device="cpu", dtype="bfloat16", precision=precision)
+    steps = [([17 + i], {}) for i in range(4)]
+    with rows_invariant(loaded):
+        assert_native_equals_python(loaded.model, _forwards(40)[:3] + steps, monkeypatch)
+    assert op_calls == [1, 3, 1, 1, 1, 1]
+
+
+def test_float32_models_and_batches_keep_the_python_loop(monkeypatch, op_calls) -> None:
+    model = tiny_llama(2)
+    wrap_model(model, ByteTokenizer())
+    _run(model, _forwards(5)[:2], True, monkeypatch)
+    bf16 = tiny_llama(2).to(torch.bfloat16)
+    wrap_model(bf16, ByteTokenizer())
+    cache = DynamicCache(config=bf16.config)
+    with torch.inference_mode():
+        lean_forward(bf16, torch.tensor([[3, 4], [5, 6]]), cache)
+        lean_forward(bf16, torch.tensor([[7], [8]]), cache)
+    assert op_calls == []
+
+
+def test_a_replaced_or_unknown_linear_is_followed(monkeypatch, op_calls) -> None:
+    model = tiny_llama(3, layers=2, hidden=128).to(torch.bfloat16)
+    quantize_model(model, "int8", torch.bfloat16)
+    loaded = wrap_model(model, ByteTokenizer())
+    with rows_invariant(loaded):
+        assert_native_equals_python(model, _forwards(6), monkeypatch)
+        attn = model.model.layers[1].self_attn
+        attn.o_proj = Int8Linear(torch.randn(128, 128), None, torch.bfloat16)  # a new plan is built
+        assert_native_equals_python(model, _forwards(6), monkeypatch)
+        calls = len(op_calls)
+
+        class Adapter(torch.nn.Module):  # a module the op does not know: the Python loop runs it
+            def __init__(self, inner):
+                super().__init__()
+                self.inner, self.in_features, self.out_features, self.bias = inner, 128, 128, None
+
+            def forward(self, x):
+                return self.inner(x) * 2
+
+        attn.o_proj = Adapter(attn.o_proj)
+        assert_native_equals_python(model, _forwards(6), monkeypatch)
+        assert len(op_calls) == calls
+
+
+def test_without_the_op_forwards_take_the_python_loop(monkeypatch, op_calls) -> None:
+    monkeypatch.setattr(native_forward, "_loaded", False)  # as after a failed build
+    model = tiny_llama(4).to(torch.bfloat16)
+    loaded = wrap_model(model, ByteTokenizer())
+    with rows_invariant(loaded):
+        _run(model, _forwards(5), True, monkeypatch)
+    assert op_calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_attention_loop_equals_exact_attention(dtype) -> None:
+    """Scores are exact in float64, so the loop and exact_attention's batched products round to the same values
+    (module docstrings); masked keys, grouped heads, many rows and keys."""
+    torch.manual_seed(0)
+    tree = build_tree_attention([-1, 0, 0, 1, 1, 2, 3, 3])
+    for rows, past, mask in [(1, 200, None), (3, 50, "causal"), (8, 100, "tree")]:
+        keys = past + rows
+        q = torch.randn(1, 9, rows, 64).to(dtype)
+        k, v = torch.randn(1, 3, keys, 64).to(dtype), torch.randn(1, 3, keys, 64).to(dtype)
+        attention_mask = tree.attention_mask(past) if mask == "tree" else None
+        hidden = _hidden_keys(attention_mask, rows, keys) if mask else None  # [rows, keys], True: not seen
+        expected = exact_attention(q, k, v, attention_mask, 0.125)
+        assert torch.equal(torch.ops.decoding_lab.exact_attention(q, k, v, hidden, 0.125), expected)
