@@ -33,6 +33,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -50,10 +51,35 @@ EXTENSION = "decoding_lab_native"
 LINEAR_KINDS = {"two-row float": 0, "int8": 1, "int4": 2}  # decoder_layers.cpp's kTwoRowFloat, kInt8, kInt4
 # the attention loop's vector instructions, from the capability PyTorch itself detected on this CPU
 _VECTOR_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"], "AVX512": ["-mavx2", "-mfma", "-mf16c"]}
+_LANE_CANDIDATES = (8, 16, 4)  # Vectorized<float>::size() of ATen's AVX2, AVX-512 and 128-bit kernels
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 _building = False
+
+
+def _capability() -> str:
+    return torch.backends.cpu.get_cpu_capability()
+
+
+@cache
+def lanes() -> int:
+    """The vector width in which ATen's float sum adds on this CPU, found by comparing the op's emulation of that
+    sum (`row_sums`) with `torch.sum` on random rows of several lengths and scales (a build's sum kernel need
+    not be the width the CPU reports: an AVX-512 machine can run the AVX2 kernels). 0 when no width matches:
+    the op then runs the norms and elementwise steps as ATen ops instead of its own loops."""
+    if not build():
+        return 0
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for features in (7, 100, 576, 1536, 4096, 18432):
+        for scale in (0.01, 1.0, 300.0):
+            rows.append((torch.randn(8, features, generator=generator) * scale).pow(2))
+    for width in _LANE_CANDIDATES:
+        if all(torch.equal(torch.ops.decoding_lab.row_sums(x, width), x.sum(-1)) for x in rows):
+            return width
+    _log.warning("no vector width reproduces ATen's float sum on this CPU; the op uses ATen's ops for the norms")
+    return 0
 
 
 def enabled() -> bool:
@@ -79,7 +105,7 @@ def build(verbose: bool = False) -> bool:
             try:
                 from torch.utils.cpp_extension import load
 
-                flags = ["-O3", "-fopenmp-simd", *_VECTOR_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+                flags = ["-O3", "-ffp-contract=off", "-fopenmp-simd", *_VECTOR_FLAGS.get(_capability(), [])]
                 load(EXTENSION, [str(SOURCE)], extra_cflags=flags, is_python_module=False, verbose=verbose)
                 _loaded = hasattr(torch.ops.decoding_lab, "decoder_layers")
             except Exception as error:  # no compiler, no ninja, a failed build: the Python loop still runs
@@ -211,6 +237,7 @@ def decoder_layers(model, embeds, cache, position_embeddings, mask, record: bool
         float(attn.scaling),
         plan.eps,
         record,
+        lanes(),
     )
     for layer, key, value in zip(layers, keys, values, strict=True):
         layer.keys, layer.values = key, value

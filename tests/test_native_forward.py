@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
 
 from lab import native_forward
 from lab.invariance import _hidden_keys, exact_attention, rows_invariant
@@ -144,3 +145,38 @@ def test_the_attention_loop_equals_exact_attention(dtype) -> None:
         hidden = _hidden_keys(attention_mask, rows, keys) if mask else None  # [rows, keys], True: not seen
         expected = exact_attention(q, k, v, attention_mask, 0.125)
         assert torch.equal(torch.ops.decoding_lab.exact_attention(q, k, v, hidden, 0.125), expected)
+
+
+@pytest.mark.parametrize("features", [16, 64, 100, 576, 1536, 3000, 18432])  # tails and every cascade level
+def test_the_norm_loop_equals_llama_rms_norm(features) -> None:
+    """The op's RMSNorm reproduces ATen's float sum (lanes, accumulators, levels), so it returns transformers'
+    bf16 bits; on a CPU whose vector width is unknown (lanes 0) the op runs the ATen ops themselves."""
+    torch.manual_seed(features)
+    norm = LlamaRMSNorm(features, eps=1e-5).to(torch.bfloat16)
+    norm.weight.data = (torch.randn(features) * 0.5 + 1).to(torch.bfloat16)
+    for scale in (0.01, 1.0, 30.0):
+        x = (torch.randn(1, 23, features) * scale * torch.rand(1, 23, 1) * 3).to(torch.bfloat16)
+        for lanes in {native_forward.lanes(), 0}:
+            assert torch.equal(torch.ops.decoding_lab.rms_norm(x, norm.weight, 1e-5, lanes), norm(x))
+
+
+def test_the_rotary_loop_equals_apply_rotary_pos_emb() -> None:
+    torch.manual_seed(1)
+    for tokens in (1, 6):
+        states = torch.randn(1, 12, tokens, 64).to(torch.bfloat16)
+        cos, sin = torch.randn(1, tokens, 64).to(torch.bfloat16), torch.randn(1, tokens, 64).to(torch.bfloat16)
+        expected = states * cos.unsqueeze(1) + rotate_half(states) * sin.unsqueeze(1)
+        assert torch.equal(torch.ops.decoding_lab.rotary(states, cos, sin, native_forward.lanes()), expected)
+
+
+def test_the_norms_sum_is_atens_float_sum() -> None:
+    """The op's emulation of ATen's cascade sum gives torch.sum's float, row by row (lengths below, at and far
+    above the vector width; the width is the one lab.native_forward found on this CPU)."""
+    lanes = native_forward.lanes()
+    if lanes == 0:  # no width found: the op runs ATen's own ops for the norms (tested above with lanes 0)
+        pytest.skip("ATen's sum width is not one the op emulates on this CPU")
+    generator = torch.Generator().manual_seed(3)
+    for features in (3, 8, 15, 64, 576, 1000, 1536, 40000):
+        for scale in (1e-3, 1.0, 1e3):
+            x = (torch.randn(5, features, generator=generator) * scale).pow(2)
+            assert torch.equal(torch.ops.decoding_lab.row_sums(x, lanes), x.sum(-1))

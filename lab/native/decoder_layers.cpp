@@ -87,12 +87,191 @@ at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double e
   return weight * h.to(input_dtype);
 }
 
+// ---- Elementwise steps and the norm without an ATen call per op -------------------------------------------------
+// Each function below computes what the ATen ops it replaces compute, bit for bit: reduced-precision values are
+// widened to float, each op is one float operation (compiled with -ffp-contract=off: no fused multiply-adds),
+// and each result ATen would store in bf16 / fp16 is rounded to it (round to nearest even, as ATen's conversion).
+// `lanes` is the width of the float vectors of ATen's sum kernel on this CPU (8 where it runs its AVX2 build,
+// as it does even on AVX-512 CPUs; found by lab.native_forward comparing row_sums with torch.sum; 0: use the
+// ATen ops).
+// They run for bf16 only (the dtype CPU users run; fp16 rows differed from ATen's in the norm in tests, so fp16
+// keeps the ATen ops).
+
+template <typename scalar_t>
+inline float wide(scalar_t x) {
+  return static_cast<float>(x);
+}
+
+template <typename scalar_t>
+inline scalar_t narrow(float x) {
+  return static_cast<scalar_t>(x);  // c10's round-to-nearest-even conversion
+}
+
+// ATen's float sum of a contiguous row (SumKernel's cascade_sum: vectorized_inner_sum over `lanes`-wide vectors,
+// row_sum with four interleaved vector accumulators, multi_row_sum's four levels), so that the same row gives
+// the same float.
+float aten_row_sum(const float* x, int64_t n, int64_t lanes) {
+  if (n < lanes) lanes = 1;  // cascade_sum's scalar_inner_sum: the same row_sum over single floats
+  const int64_t vectors = n / lanes;
+  constexpr int64_t ilp = 4, levels = 4;
+  const int64_t rows = vectors / ilp;  // multi_row_sum over `rows` steps of `ilp` vectors
+  int64_t log2 = 0;
+  while ((int64_t(1) << log2) < rows) ++log2;  // CeilLog2
+  const int64_t power = std::max<int64_t>(4, log2 / levels), step = int64_t(1) << power, mask = step - 1;
+  std::vector<float> acc(levels * ilp * lanes, 0.0f);  // acc[level][k][lane]
+  auto at = [&](int64_t level, int64_t k) { return acc.data() + (level * ilp + k) * lanes; };
+  auto add_vector = [&](float* into, const float* from) {
+    for (int64_t l = 0; l < lanes; ++l) into[l] += from[l];
+  };
+  int64_t i = 0;
+  for (; i + step <= rows;) {
+    for (int64_t j = 0; j < step; ++j, ++i) {
+      for (int64_t k = 0; k < ilp; ++k) add_vector(at(0, k), x + (i * ilp + k) * lanes);
+    }
+    for (int64_t j = 1; j < levels; ++j) {
+      for (int64_t k = 0; k < ilp; ++k) {
+        add_vector(at(j, k), at(j - 1, k));
+        std::fill(at(j - 1, k), at(j - 1, k) + lanes, 0.0f);
+      }
+      if ((i & (mask << (j * power))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i) {
+    for (int64_t k = 0; k < ilp; ++k) add_vector(at(0, k), x + (i * ilp + k) * lanes);
+  }
+  for (int64_t j = 1; j < levels; ++j) {
+    for (int64_t k = 0; k < ilp; ++k) add_vector(at(0, k), at(j, k));
+  }
+  float* partial = at(0, 0);  // row_sum: the vectors left over, then the four accumulators
+  for (int64_t v = rows * ilp; v < vectors; ++v) add_vector(partial, x + v * lanes);
+  for (int64_t k = 1; k < ilp; ++k) add_vector(partial, at(0, k));
+  float total = 0.0f;  // vectorized_inner_sum: the scalar tail, then the lanes in order
+  for (int64_t e = vectors * lanes; e < n; ++e) total += x[e];
+  for (int64_t l = 0; l < lanes; ++l) total += partial[l];
+  return total;
+}
+
+// LlamaRMSNorm.forward: w * bf16(x * rsqrt(mean(x^2) + eps)) with x widened to float (pow(2) is x * x, mean is
+// the cascade sum divided by n, rsqrt is 1 / sqrt).
+template <typename scalar_t>
+at::Tensor rms_norm_rows(const at::Tensor& hidden, const at::Tensor& weight, double eps, int64_t lanes) {
+  const at::Tensor x = hidden.contiguous(), w = weight.contiguous();
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  at::Tensor out = at::empty_like(x);
+  const scalar_t* in = x.data_ptr<scalar_t>();
+  const scalar_t* gain = w.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const float epsilon = static_cast<float>(eps), count = static_cast<float>(n);
+  std::vector<float> widened(n), squares(n);
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* row = in + r * n;
+    for (int64_t j = 0; j < n; ++j) {
+      widened[j] = wide(row[j]);
+      squares[j] = widened[j] * widened[j];
+    }
+    const float variance = aten_row_sum(squares.data(), n, lanes) / count;
+    const float scale = 1.0f / std::sqrt(variance + epsilon);
+    for (int64_t j = 0; j < n; ++j) {
+      o[r * n + j] = narrow<scalar_t>(wide(gain[j]) * wide(narrow<scalar_t>(widened[j] * scale)));
+    }
+  }
+  return out;
+}
+
+// (states * cos) + (rotate_half(states) * sin) for states [B, heads, T, d] (a view), cos / sin [B, T, d]:
+// each product and the sum rounded to the reduced type as ATen's three ops and rotate_half's negation do.
+template <typename scalar_t>
+at::Tensor rotary_rows(const at::Tensor& states, const at::Tensor& cos, const at::Tensor& sin) {
+  const at::Tensor x = states.contiguous(), c = cos.contiguous(), s = sin.contiguous();
+  const int64_t batch = x.size(0), heads = x.size(1), tokens = x.size(2), dim = x.size(3), half = dim / 2;
+  at::Tensor out = at::empty_like(x);
+  const scalar_t* in = x.data_ptr<scalar_t>();
+  const scalar_t* cp = c.data_ptr<scalar_t>();
+  const scalar_t* sp = s.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        const scalar_t* row = in + ((b * heads + h) * tokens + t) * dim;
+        const scalar_t* cr = cp + (b * tokens + t) * dim;
+        const scalar_t* sr = sp + (b * tokens + t) * dim;
+        scalar_t* orow = o + ((b * heads + h) * tokens + t) * dim;
+        for (int64_t j = 0; j < dim; ++j) {
+          const float rotated = j < half ? -wide(row[j + half]) : wide(row[j - half]);
+          const scalar_t first = narrow<scalar_t>(wide(row[j]) * wide(cr[j]));
+          const scalar_t second = narrow<scalar_t>(rotated * wide(sr[j]));
+          orow[j] = narrow<scalar_t>(wide(first) + wide(second));
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// a + b or a * b of two same-shaped reduced-precision tensors, rounded once (ATen's add / mul)
+template <typename scalar_t, bool multiply>
+at::Tensor combine_rows(const at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor x = a.contiguous(), y = b.contiguous();
+  at::Tensor out = at::empty_like(x);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* yp = y.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t n = x.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    o[i] = narrow<scalar_t>(multiply ? wide(xp[i]) * wide(yp[i]) : wide(xp[i]) + wide(yp[i]));
+  }
+  return out;
+}
+
 // transformers' rotate_half: cat(-x2, x1) over the last dimension
 at::Tensor rotate_half(const at::Tensor& x) {
   const int64_t half = x.size(-1) / 2;
   at::Tensor x1 = x.slice(-1, 0, half);
   at::Tensor x2 = x.slice(-1, half, std::numeric_limits<int64_t>::max());
   return at::cat({-x2, x1}, -1);
+}
+
+// aten_row_sum of each row of a float [R, n] tensor (for lab.native_forward's check of `lanes` against ATen)
+at::Tensor row_sums(const at::Tensor& x, int64_t lanes) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && lanes > 0, "row_sums: float [R, n], lanes > 0");
+  const at::Tensor c = x.contiguous();
+  at::Tensor out = at::empty({c.size(0)}, c.options());
+  for (int64_t r = 0; r < c.size(0); ++r) {
+    out.data_ptr<float>()[r] = aten_row_sum(c.data_ptr<float>() + r * c.size(1), c.size(1), lanes);
+  }
+  return out;
+}
+
+// The steps of a layer: the loops above when `lanes` is known and the dtypes agree, else the ATen ops.
+at::Tensor norm_step(const at::Tensor& hidden, const at::Tensor& weight, double eps, int64_t lanes) {
+  if (lanes == 0 || hidden.scalar_type() != at::kBFloat16 || weight.scalar_type() != at::kBFloat16) {
+    return rms_norm(hidden, weight, eps);
+  }
+  at::Tensor out;
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(hidden.scalar_type(), "rms_norm", [&] {
+    out = rms_norm_rows<scalar_t>(hidden, weight, eps, lanes);
+  });
+  return out;
+}
+
+at::Tensor rotary_step(const at::Tensor& states, const at::Tensor& cos, const at::Tensor& sin, int64_t lanes) {
+  if (lanes == 0 || states.scalar_type() != at::kBFloat16 || cos.scalar_type() != at::kBFloat16 ||
+      sin.scalar_type() != at::kBFloat16) {
+    return (states * cos.unsqueeze(1)) + (rotate_half(states) * sin.unsqueeze(1));
+  }
+  at::Tensor out;
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(states.scalar_type(), "rotary", [&] { out = rotary_rows<scalar_t>(states, cos, sin); });
+  return out;
+}
+
+template <bool multiply>
+at::Tensor combine_step(const at::Tensor& a, const at::Tensor& b, int64_t lanes) {
+  if (lanes == 0 || a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16 || a.sizes() != b.sizes()) {
+    return multiply ? a * b : a + b;
+  }
+  at::Tensor out;
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(a.scalar_type(), "combine", [&] { out = combine_rows<scalar_t, multiply>(a, b); });
+  return out;
 }
 
 // one value widened to float64 (exact); bf16 is the upper half of a float32, widened by a shift the compiler
@@ -124,10 +303,12 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& key, const 
                           const bool* hidden, double scaling) {
   const int64_t heads = query.size(1), rows = query.size(2), dim = query.size(3);
   const int64_t kv_heads = key.size(1), keys = key.size(2), shared = heads / kv_heads;
-  const at::Tensor qc = query.contiguous(), kc = key.contiguous(), vc = value.contiguous();
+  // keys and values widened once (exact), not once per query row
+  const at::Tensor qc = query.contiguous();
+  const at::Tensor kc = key.to(at::kDouble).contiguous(), vc = value.to(at::kDouble).contiguous();
   const scalar_t* q = qc.data_ptr<scalar_t>();
-  const scalar_t* k = kc.data_ptr<scalar_t>();
-  const scalar_t* v = vc.data_ptr<scalar_t>();
+  const double* k = kc.data_ptr<double>();
+  const double* v = vc.data_ptr<double>();
   // scores [kv_heads, shared * T, S] as exact_attention lays them out (query head h = kv * shared + i)
   at::Tensor scores = at::empty({kv_heads, shared * rows, keys}, query.options().dtype(at::kDouble));
   double* score_data = scores.data_ptr<double>();
@@ -139,27 +320,27 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& key, const 
       const scalar_t* q_row = q + (h * rows + t) * dim;
       for (int64_t j = 0; j < dim; ++j) query_row[j] = widen(q_row[j]);
       const double* qd = query_row.data();
-      const scalar_t* k_head = k + kv * keys * dim;
+      const double* k_head = k + kv * keys * dim;
       double* out = score_data + task * keys;
       const bool* hidden_row = hidden == nullptr ? nullptr : hidden + t * keys;
       int64_t s = 0;
       for (; s + 4 <= keys; s += 4) {  // four keys at a time: four independent sums keep the FMA units busy
-        const scalar_t *k0 = k_head + s * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
+        const double *k0 = k_head + s * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
         double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
         for (int64_t j = 0; j < dim; ++j) {
-          s0 += qd[j] * widen(k0[j]);
-          s1 += qd[j] * widen(k1[j]);
-          s2 += qd[j] * widen(k2[j]);
-          s3 += qd[j] * widen(k3[j]);
+          s0 += qd[j] * k0[j];
+          s1 += qd[j] * k1[j];
+          s2 += qd[j] * k2[j];
+          s3 += qd[j] * k3[j];
         }
         out[s] = s0, out[s + 1] = s1, out[s + 2] = s2, out[s + 3] = s3;
       }
       for (; s < keys; ++s) {
-        const scalar_t* k_row = k_head + s * dim;
+        const double* k_row = k_head + s * dim;
         double score = 0;
 #pragma omp simd reduction(+ : score)
-        for (int64_t j = 0; j < dim; ++j) score += qd[j] * widen(k_row[j]);
+        for (int64_t j = 0; j < dim; ++j) score += qd[j] * k_row[j];
         out[s] = score;
       }
       for (s = 0; s < keys; ++s) {
@@ -178,15 +359,15 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& key, const 
       const int64_t kv = task / (shared * rows), i = task % (shared * rows);
       const int64_t h = kv * shared + i / rows, t = i % rows;
       const double* w = weight_data + task * keys;
-      const scalar_t* v_head = v + kv * keys * dim;
+      const double* v_head = v + kv * keys * dim;
       double* a = acc.data();
       std::fill(a, a + dim, 0.0);
       for (int64_t s = 0; s < keys; ++s) {
         if (w[s] == 0) continue;  // a masked key (or an underflowed weight) adds exactly nothing
-        const scalar_t* v_row = v_head + s * dim;
+        const double* v_row = v_head + s * dim;
         const double weight = w[s];
 #pragma omp simd
-        for (int64_t j = 0; j < dim; ++j) a[j] += weight * widen(v_row[j]);
+        for (int64_t j = 0; j < dim; ++j) a[j] += weight * v_row[j];
       }
       scalar_t* o = out_data + (t * heads + h) * dim;
       for (int64_t j = 0; j < dim; ++j) o[j] = static_cast<scalar_t>(static_cast<float>(a[j]));
@@ -221,50 +402,52 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::ve
     const at::Tensor& embeds, at::TensorList past_keys, at::TensorList past_values, const at::Tensor& cos,
     const at::Tensor& sin, const c10::optional<at::Tensor>& hidden_keys, at::TensorList params,
     at::IntArrayRef spec, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling, double eps,
-    bool record) {
+    bool record, int64_t lanes) {
   const std::vector<at::Tensor> param_list(params.begin(), params.end());
   const std::vector<int64_t> spec_list(spec.begin(), spec.end());
   Reader in{param_list, spec_list};
   const int64_t layers = static_cast<int64_t>(past_keys.size());
   const int64_t batch = embeds.size(0), tokens = embeds.size(1);
   const int64_t rotated = heads + kv_heads;  // query heads, then key heads, then value heads
-  const at::Tensor cos_heads = cos.unsqueeze(1), sin_heads = sin.unsqueeze(1);
   std::vector<at::Tensor> keys, values, recorded;
   at::Tensor hidden = embeds;
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor& input_norm = in.tensor();
     const at::Tensor& post_norm = in.tensor();
     // attention (LlamaAttention.forward at inference, as lab.lean_forward._attention)
-    at::Tensor normed = rms_norm(hidden, input_norm, eps);
+    at::Tensor normed = norm_step(hidden, input_norm, eps, lanes);
     at::Tensor states = joined(in, normed).view({batch, tokens, -1, head_dim}).transpose(1, 2);
     at::Tensor qk = states.slice(1, 0, rotated);
-    at::Tensor query_key = (qk * cos_heads) + (rotate_half(qk) * sin_heads);
+    at::Tensor query_key = rotary_step(qk, cos, sin, lanes);
     at::Tensor query = query_key.slice(1, 0, heads);
     at::Tensor key = query_key.slice(1, heads, std::numeric_limits<int64_t>::max());
     at::Tensor value = states.slice(1, rotated, std::numeric_limits<int64_t>::max());
     keys.push_back(at::cat({past_keys[l], key}, -2));
     values.push_back(at::cat({past_values[l], value}, -2));
     at::Tensor attended = exact_attention(query, keys.back(), values.back(), hidden_keys, scaling);
-    hidden = hidden + linear(in, attended.reshape({batch, tokens, -1}).contiguous());
+    hidden = combine_step<false>(hidden, linear(in, attended.reshape({batch, tokens, -1}).contiguous()), lanes);
     // MLP (LlamaMLP.forward with SiLU, as lab.lean_forward._mlp)
-    at::Tensor mlp_in = rms_norm(hidden, post_norm, eps);
+    at::Tensor mlp_in = norm_step(hidden, post_norm, eps, lanes);
     at::Tensor gate_up = joined(in, mlp_in);
     const int64_t intermediate = in.integer();  // the gate's output size
     std::vector<at::Tensor> halves = gate_up.split_with_sizes({intermediate, gate_up.size(-1) - intermediate}, -1);
-    hidden = hidden + linear(in, at::silu(halves[0]) * halves[1]);
+    hidden = combine_step<false>(hidden, linear(in, combine_step<true>(at::silu(halves[0]), halves[1], lanes)), lanes);
     if (record) recorded.push_back(hidden);
   }
   const at::Tensor& final_norm = in.tensor();
   TORCH_CHECK(in.p == param_list.size() && in.s == spec_list.size(), "decoder_layers: spec and parameters disagree");
-  return {rms_norm(hidden, final_norm, eps), keys, values, recorded};
+  return {norm_step(hidden, final_norm, eps, lanes), keys, values, recorded};
 }
 
 TORCH_LIBRARY(decoding_lab, m) {
   m.def(
       "decoder_layers(Tensor embeds, Tensor[] past_keys, Tensor[] past_values, Tensor cos, Tensor sin, "
       "Tensor? hidden_keys, Tensor[] params, int[] spec, int heads, int kv_heads, int head_dim, float scaling, "
-      "float eps, bool record) -> (Tensor, Tensor[], Tensor[], Tensor[])",
+      "float eps, bool record, int lanes) -> (Tensor, Tensor[], Tensor[], Tensor[])",
       &decoder_layers);
+  m.def("row_sums(Tensor x, int lanes) -> Tensor", &row_sums);
+  m.def("rms_norm(Tensor hidden, Tensor weight, float eps, int lanes) -> Tensor", &norm_step);
+  m.def("rotary(Tensor states, Tensor cos, Tensor sin, int lanes) -> Tensor", &rotary_step);
   m.def("exact_attention(Tensor query, Tensor key, Tensor value, Tensor? hidden_keys, float scaling) -> Tensor",
         &exact_attention);
 }
