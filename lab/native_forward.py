@@ -5,12 +5,15 @@ layer from Python, and the interpreter between them costs more than the matrix p
 that decide what lossless decoding emits on a CPU (one-token steps, and verify forwards under
 `lab.invariance.rows_invariant`, of a batch of one, in bf16 / fp16 with `lab.invariance`'s row-invariant
 attention), `lab/native/decoder_layers.cpp` runs the 30 layers and the final norm as one call of a PyTorch
-custom op. It calls the ATen ops the Python forward calls (transformers' `LlamaRMSNorm`, `LlamaAttention` and
-`LlamaMLP` as `lab.lean_forward` runs them, `lab.quant`'s linears), with the same arguments in the same order,
-so those results are the same bits. The attention is `lab.invariance.exact_attention`'s float64 attention
-computed by one C++ loop per (head, query row): its scores are the same exact float64 numbers, its softmax
-ATen's, and its weighted sum of values adds in another order than the batched product, so its bf16 outputs
-equal `exact_attention`'s except where a ~1e-16 relative difference lands on a rounding boundary (the odds
+custom op. Its steps compute the bits the Python forward computes (transformers' `LlamaRMSNorm`,
+`LlamaAttention` and `LlamaMLP` as `lab.lean_forward` runs them, `lab.quant`'s linears): the products and the
+SiLU are the same ATen calls with the same arguments; the norms, the rotary embedding, the residual adds and
+gate * up are the op's own loops doing ATen's float operations in ATen's order (the norm's sum emulates ATen's
+cascade sum in the vector width `lanes()` finds on this CPU by comparing with `torch.sum`; where none matches,
+and for fp16, those steps stay ATen calls). The attention is `lab.invariance.exact_attention`'s float64
+attention computed by one loop per (head, query row): the same exact float64 scores, ATen's softmax, and a
+weighted sum of values in another order than the batched product, so its bf16 outputs equal
+`exact_attention`'s except where a ~1e-16 relative difference lands on a rounding boundary (the odds
 `exact_attention`'s docstring gives; none seen in the tests). Each row's loop is the same whatever the row
 count, so a verify row equals the decode step of its path bit for bit. Logits, hidden states and cache are
 tested equal to the Python loop's and to `model(...)`'s on tiny models at every precision and on the embedded

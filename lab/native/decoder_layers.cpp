@@ -1,12 +1,12 @@
 // The decoder layers of a Llama model for a row-invariant decode step or verify forward, as one C++ call
 // (lab/native_forward.py says when it is used).
 //
-// Every tensor op below but the attention is the ATen op, with the same arguments in the same order, that the
-// Python forward (lab/lean_forward.py over transformers' LlamaRMSNorm / LlamaAttention / LlamaMLP, and
-// lab/quant.py's linears) performs, so those results are the same bits; what goes away is the Python
-// interpreter between the ~100 ops of each layer. The attention is lab/invariance.py's exact_attention computed
-// by one loop per (head, query row) instead of its batched float64 products (see exact_attention below for why
-// the results agree).
+// Each step computes the bits the Python forward (lab/lean_forward.py over transformers' LlamaRMSNorm /
+// LlamaAttention / LlamaMLP, and lab/quant.py's linears) computes: the products and the SiLU as the same ATen
+// calls, the norms and elementwise steps as loops doing ATen's float operations in ATen's order. What goes away
+// is the Python interpreter and most of the ATen calls between the products. The attention is
+// lab/invariance.py's exact_attention computed by one loop per (head, query row) instead of its batched float64
+// products (see exact_attention below for why the results agree).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
