@@ -62,7 +62,8 @@ def _structure_supported(model: torch.nn.Module) -> bool:
             return False
     # a hub kernel would replace these; the lean path must run the ops transformers runs
     rotary = modeling_llama.apply_rotary_pos_emb
-    return LlamaRMSNorm.forward.__qualname__ == "LlamaRMSNorm.forward" and rotary.__name__ == "apply_rotary_pos_emb"
+    plain_rotary = getattr(rotary, "__name__", None) == "apply_rotary_pos_emb"  # a hub wrapper is a module
+    return LlamaRMSNorm.forward.__qualname__ == "LlamaRMSNorm.forward" and plain_rotary
 
 
 def supports(model: torch.nn.Module) -> bool:
