@@ -53,16 +53,13 @@ SOURCE = Path(__file__).with_name("native") / "decoder_layers.cpp"
 EXTENSION = "decoding_lab_native"
 LINEAR_KINDS = {"two-row float": 0, "int8": 1, "int4": 2}  # decoder_layers.cpp's kTwoRowFloat, kInt8, kInt4
 # the attention loop's vector instructions, from the capability PyTorch itself detected on this CPU
-_VECTOR_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"], "AVX512": ["-mavx2", "-mfma", "-mf16c"]}
+_VECTOR_CAPABILITIES = ("AVX2", "AVX512")
+_VECTOR_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 _LANE_CANDIDATES = (8, 16, 4)  # Vectorized<float>::size() of ATen's AVX2, AVX-512 and 128-bit kernels
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 _building = False
-
-
-def _capability() -> str:
-    return torch.backends.cpu.get_cpu_capability()
 
 
 @cache
@@ -108,7 +105,9 @@ def build(verbose: bool = False) -> bool:
             try:
                 from torch.utils.cpp_extension import load
 
-                flags = ["-O3", "-ffp-contract=off", "-fopenmp-simd", *_VECTOR_FLAGS.get(_capability(), [])]
+                flags = ["-O3", "-ffp-contract=off", "-fopenmp-simd"]
+                if torch.backends.cpu.get_cpu_capability() in _VECTOR_CAPABILITIES:
+                    flags += _VECTOR_FLAGS
                 load(EXTENSION, [str(SOURCE)], extra_cflags=flags, is_python_module=False, verbose=verbose)
                 _loaded = hasattr(torch.ops.decoding_lab, "decoder_layers")
             except Exception as error:  # no compiler, no ninja, a failed build: the Python loop still runs

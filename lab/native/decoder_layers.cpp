@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -29,8 +28,8 @@ constexpr int64_t kGroup = 32;       // lab.quant.GROUP
 
 // A cursor over the flat parameter list and the flat integer spec built by lab.native_forward.
 struct Reader {
-  const std::vector<at::Tensor>& params;
-  const std::vector<int64_t>& spec;
+  at::TensorList params;
+  at::IntArrayRef spec;
   size_t p = 0, s = 0;
   const at::Tensor& tensor() { return params.at(p++); }
   int64_t integer() { return spec.at(s++); }
@@ -69,7 +68,7 @@ at::Tensor linear(Reader& in, const at::Tensor& x) {
 }
 
 // Reads a group of linears that take the same input: their outputs side by side (one joined product, or the
-// separate products concatenated, as lab.lean_forward's _Joined does).
+// separate products concatenated, as lab.quant.JoinedLinears does).
 at::Tensor joined(Reader& in, const at::Tensor& x) {
   const int64_t parts = in.integer();
   if (parts == 1) return linear(in, x);
@@ -274,21 +273,6 @@ at::Tensor combine_step(const at::Tensor& a, const at::Tensor& b, int64_t lanes)
   return out;
 }
 
-// one value widened to float64 (exact); bf16 is the upper half of a float32, widened by a shift the compiler
-// vectorizes, other types go through c10's conversion
-template <typename scalar_t>
-inline double widen(scalar_t x) {
-  return static_cast<double>(static_cast<float>(x));
-}
-
-template <>
-inline double widen<c10::BFloat16>(c10::BFloat16 x) {
-  const uint32_t word = static_cast<uint32_t>(x.x) << 16;
-  float value;
-  std::memcpy(&value, &word, sizeof(value));
-  return value;
-}
-
 // lab.invariance.exact_attention's number, softmax(q k^T * scaling) v in float64 rounded back once, with the
 // same-valued steps: scores are exact float64 sums of exact products of the reduced-precision inputs (any order
 // gives the same number, so the loop below gives the bits of exact_attention's batched product), the softmax is
@@ -309,16 +293,23 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& key, const 
   const scalar_t* q = qc.data_ptr<scalar_t>();
   const double* k = kc.data_ptr<double>();
   const double* v = vc.data_ptr<double>();
-  // scores [kv_heads, shared * T, S] as exact_attention lays them out (query head h = kv * shared + i)
+  // task = one (query head, row): kv * shared * T + i, query head h = kv * shared + i / T, row t = i % T (the
+  // layout of exact_attention's scores [kv_heads, shared * T, S])
+  struct Task {
+    int64_t kv, h, t;
+  };
+  auto task_of = [&](int64_t task) {
+    const int64_t kv = task / (shared * rows), i = task % (shared * rows);
+    return Task{kv, kv * shared + i / rows, i % rows};
+  };
   at::Tensor scores = at::empty({kv_heads, shared * rows, keys}, query.options().dtype(at::kDouble));
   double* score_data = scores.data_ptr<double>();
   at::parallel_for(0, kv_heads * shared * rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> query_row(dim);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t kv = task / (shared * rows), i = task % (shared * rows);
-      const int64_t h = kv * shared + i / rows, t = i % rows;
+      const auto [kv, h, t] = task_of(task);
       const scalar_t* q_row = q + (h * rows + t) * dim;
-      for (int64_t j = 0; j < dim; ++j) query_row[j] = widen(q_row[j]);
+      for (int64_t j = 0; j < dim; ++j) query_row[j] = wide(q_row[j]);  // exact
       const double* qd = query_row.data();
       const double* k_head = k + kv * keys * dim;
       double* out = score_data + task * keys;
@@ -356,8 +347,7 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& key, const 
   at::parallel_for(0, kv_heads * shared * rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> acc(dim);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t kv = task / (shared * rows), i = task % (shared * rows);
-      const int64_t h = kv * shared + i / rows, t = i % rows;
+      const auto [kv, h, t] = task_of(task);
       const double* w = weight_data + task * keys;
       const double* v_head = v + kv * keys * dim;
       double* a = acc.data();
@@ -403,9 +393,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::ve
     const at::Tensor& sin, const c10::optional<at::Tensor>& hidden_keys, at::TensorList params,
     at::IntArrayRef spec, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling, double eps,
     bool record, int64_t lanes) {
-  const std::vector<at::Tensor> param_list(params.begin(), params.end());
-  const std::vector<int64_t> spec_list(spec.begin(), spec.end());
-  Reader in{param_list, spec_list};
+  Reader in{params, spec};
   const int64_t layers = static_cast<int64_t>(past_keys.size());
   const int64_t batch = embeds.size(0), tokens = embeds.size(1);
   const int64_t rotated = heads + kv_heads;  // query heads, then key heads, then value heads
@@ -435,7 +423,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::ve
     if (record) recorded.push_back(hidden);
   }
   const at::Tensor& final_norm = in.tensor();
-  TORCH_CHECK(in.p == param_list.size() && in.s == spec_list.size(), "decoder_layers: spec and parameters disagree");
+  TORCH_CHECK(in.p == params.size() && in.s == spec.size(), "decoder_layers: spec and parameters disagree");
   return {norm_step(hidden, final_norm, eps, lanes), keys, values, recorded};
 }
 
