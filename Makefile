@@ -30,8 +30,8 @@ $(INSTALLED): requirements.txt
 	@$(PY) -c "import ctypes; ctypes.CDLL('libseccomp.so.2')" 2>/dev/null \
 		|| { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get install -y -q libseccomp2; } \
 		|| echo "note: libseccomp2 is not installed, so RLM code mode will be refused (action mode still runs)"
-	# the C++ decoder layers of CPU decode steps (lab/native_forward.py); without a compiler the Python loop runs
-	@$(PY) -m lab.native_forward || echo "note: no C++ build of the decoder layers; forwards use the Python loop"
+	# the C++ decoder layers of CPU decode steps (lab/engine/native_forward.py); without a compiler the Python loop runs
+	@$(PY) -m lab.engine.native_forward || echo "note: no C++ build of the decoder layers; forwards use the Python loop"
 	touch $@
 
 $(DEV_INSTALLED): $(INSTALLED) requirements-dev.txt

@@ -1,24 +1,24 @@
 """Decoding Lab web app (Gradio): run, compare, replay, learn and measure decoding strategies.
 
-UI only (DESIGN.md section 9): inputs are validated by `lab.validation`, model work goes through `lab.runner`,
-figures come from `visualizers`, and the tabs' logic lives in gradio-free modules (`lab.compare`, `lab.replay`,
-`lab.learn`, `lab.measure`, `lab.history`, `lab.presets`, `lab.controls`, `lab.zerogpu`) and the tabs' layout in
-`ui/` (one module per tab, shared pieces in `ui/common.py`). Every tab is built
+UI only (DESIGN.md section 9): inputs are validated by `lab.app.validation`, model work goes through `lab.app.runner`,
+figures come from `visualizers`, and the tabs' logic lives in gradio-free modules (`lab.app.compare`, `lab.app.replay`,
+`lab.app.learn`, `lab.tools.measure`, `lab.app.history`, `lab.app.presets`, `lab.app.controls`, `lab.app.zerogpu`) and
+the tabs' layout in `ui/` (one module per tab, shared pieces in `ui/common.py`). Every tab is built
 from the registries (`strategies.REGISTRY`, `visualizers.VIEWS`), so a new strategy appears everywhere.
 
-Classroom: every model run (Run, Branch, Compare) goes through one model lane (`lab.shared_runs.RunHub`, one run
+Classroom: every model run (Run, Branch, Compare) goes through one model lane (`lab.app.shared_runs.RunHub`, one run
 at a time; Measure takes its lock): a Run handler waits inside the lane and shows its place in line and an
 estimated wait; identical requests (model, strategy, parameters, prompt, chat, seed, branch) share one run, and
 recently finished ones are answered from their recorded events. At most DECODING_LAB_QUEUE_SIZE distinct runs
 (default 32: a class of 30, the teacher and one spare) may wait; beyond that the user is told the queue is full
-and for how long. Each run has a hard time limit (MAX_RUN_SECONDS). Before each run `lab.threads.apply` picks the
+and for how long. Each run has a hard time limit (MAX_RUN_SECONDS). Before each run `lab.engine.threads.apply` picks the
 intra-op threads from the CPUs free at that moment.
 Light work (replay, inspect, learn, stepping, pace changes) runs in its own concurrency groups. Per-session data
 lives in gr.State with a time to live; models are
-shared through the `lab.models` cache (at most two loaded, never one per session). Stop cancels the running
+shared through the `lab.engine.models` cache (at most two loaded, never one per session). Stop cancels the running
 generator, whose `finally` frees the KV cache. Renders are throttled to about 5 per second.
 ZeroGPU (Hugging Face Spaces): `model_events` (load, encode, stream plain trace events) is wrapped with
-`spaces.GPU` when SPACES_ZERO_GPU is set and `spaces` imports (`lab.zerogpu`); figures are built outside it.
+`spaces.GPU` when SPACES_ZERO_GPU is set and `spaces` imports (`lab.app.zerogpu`); figures are built outside it.
 
 `python app.py` serves at http://127.0.0.1:7860 (GRADIO_SERVER_NAME / GRADIO_SERVER_PORT override) and warms the
 embedded model in the background. The stable API endpoint `/run` (gradio_client) takes
@@ -58,7 +58,7 @@ import threading
 
 import gradio as gr
 
-from lab.models import EMBEDDED_MODEL, ModelLoadError, load_model
+from lab.engine.models import EMBEDDED_MODEL, ModelLoadError, load_model
 from ui.common import HUB, LIGHT, MAX_UPLOAD, QUEUE_MAX_SIZE, inspect_trace, stats_markdown
 from ui.compare_tab import build_compare_tab
 from ui.layout import CSS, KEYS_JS

@@ -1,5 +1,5 @@
-"""`python -m lab`: the command line (see `lab.cli`)."""
+"""`python -m lab`: the command line (see `lab.tools.cli`)."""
 
-from lab.cli import main
+from lab.tools.cli import main
 
 raise SystemExit(main())

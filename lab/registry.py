@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.models import LoadedModel
+from lab.engine.models import LoadedModel
 from lab.params import InputError
 from lab.trace import Event
 

@@ -4,7 +4,7 @@ Events are frozen dataclasses of plain Python values (ints, floats, strings, lis
 step index. Strategies emit them, visualizers and stats read them. This module imports neither torch nor
 gradio, so visualizers can depend on it alone.
 A trace file is JSON: {"format", "version", "strategy", "model", "prompt", "params", "events": [{"kind", ...}]},
-plus the optional "dtype" and "precision" (weight format, `lab.quant`) of the run when they are known.
+plus the optional "dtype" and "precision" (weight format, `lab.engine.quant`) of the run when they are known.
 Loading checks the size, the nesting depth, the version, every event kind and every field's type, and never
 unpickles anything. Detail kinds of later strategies register themselves with `@event_kind`.
 """
@@ -344,7 +344,7 @@ class RlmContext:
     """What an RLM run works on (Zhang, Kraska, Khattab 2025): the question, the context's size (it lives in the
     sandboxed REPL, never in a prompt), the task that generated it ("pasted" for user text) with its known answer
     ("" when unknown), the mode (action = constrained grammar, code = free-form ```repl code) and the sandbox's
-    isolation level (full | unisolated: `lab.rlm.sandbox.LEVEL_TEXT` says what each is)."""
+    isolation level (full | unisolated: `lab.methods.rlm.sandbox.LEVEL_TEXT` says what each is)."""
 
     step: int
     question: str
@@ -566,7 +566,7 @@ class Trace:
     events: list[Event] = field(default_factory=list)
     dtype: str = ""  # e.g. bfloat16 ("" when not recorded)
     precision: str = ""  # weight format of the linears: bf16 (float weights), int8, int4 or a requested "auto"
-    # where this run branched from another (lab.branching.branch_record); None for a run from the prompt
+    # where this run branched from another (lab.app.branching.branch_record); None for a run from the prompt
     branch: dict | None = None
 
     @property

@@ -17,10 +17,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lab.models import load_model  # noqa: E402
+from lab.app.builtin_prompts import BUILTIN_PROMPTS  # noqa: E402
+from lab.engine.models import load_model  # noqa: E402
+from lab.engine.quant import PRECISIONS  # noqa: E402
 from lab.params import build_params  # noqa: E402
-from lab.prompts import BUILTIN_PROMPTS  # noqa: E402
-from lab.quant import PRECISIONS  # noqa: E402
 from lab.registry import collect, get_strategy  # noqa: E402
 from lab.trace import TokenEmitted, summarize  # noqa: E402
 

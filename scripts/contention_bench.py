@@ -5,7 +5,7 @@ usage: .venv/bin/python scripts/contention_bench.py [--tokens 64] [--repeat 3] [
 
 For each mode a fresh worker process loads the embedded model (so the OpenMP settings are read at torch's import):
 - before: torch's defaults (one intra-op thread per CPU, OpenMP's default wait policy);
-- after: `lab.threads.apply` before each run, as the app does (intra-op threads from the CPUs that are free right
+- after: `lab.engine.threads.apply` before each run, as the app does (intra-op threads from the CPUs that are free right
   now; OpenMP's default wait policy);
 - passive: the same, with OMP_WAIT_POLICY=PASSIVE set before torch is imported (waiting threads sleep at once);
 - short-spin: the same, waiting threads spin SHORT_SPIN iterations (GOMP_SPINCOUNT), then sleep.
@@ -37,7 +37,7 @@ SHORT_SPIN = "10000"  # libgomp's busy-wait iterations before a waiting thread s
 def worker(tokens: int, mode: str) -> None:
     """Load once, then per line on stdin run greedy and print {"tokens_per_s", "threads"} as JSON."""
     sys.path.insert(0, str(ROOT))
-    from lab import threads
+    from lab.engine import threads
 
     policy = mode != "before"
     if mode == "passive":
@@ -46,9 +46,9 @@ def worker(tokens: int, mode: str) -> None:
         os.environ["GOMP_SPINCOUNT"] = SHORT_SPIN
     import torch
 
-    from lab.runner import run_to_trace
+    from lab.app.runner import run_to_trace
+    from lab.app.validation import validate_request
     from lab.trace import summarize
-    from lab.validation import validate_request
 
     request = validate_request("greedy", PROMPT, {"max_new_tokens": tokens})
     run_to_trace(request)  # load + warm-up

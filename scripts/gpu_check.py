@@ -23,12 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lab.app.runner import make_generator  # noqa: E402
 from lab.heads.common import model_shape, save_heads  # noqa: E402
 from lab.heads.eagle import build_head, head_tensors  # noqa: E402
 from lab.heads.mtpc import init_tensors  # noqa: E402
 from lab.params import build_params  # noqa: E402
 from lab.registry import collect, get_strategy, registry  # noqa: E402
-from lab.runner import make_generator  # noqa: E402
 from lab.trace import TokenEmitted  # noqa: E402
 from tests.tiny import ByteTokenizer, tiny_llama  # noqa: E402
 
@@ -89,7 +89,7 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"gpu-check: no CUDA GPU visible to torch {torch.__version__}; nothing to check.")
         return 0
-    from lab.models import wrap_model
+    from lab.engine.models import wrap_model
 
     device = torch.device(args.device)
     loaded = wrap_model(tiny_llama(0, layers=2).to(device), ByteTokenizer(), spec="tiny-llama-gpu-check")

@@ -11,7 +11,7 @@ It loads SmolLM2-135M-Instruct from the GGUF in fp32 on CPU, encodes the first f
 chat template exactly as `LoadedModel.encode(text, chat=True)` does, and records, for each DoLa setting
 ('high', 'low' and an explicit layer list), `model.generate(input_ids, do_sample=False, max_new_tokens=48,
 dola_layers=..., repetition_penalty=1.2)`'s new token ids. tests/test_dola.py compares the lab's DoLa
-with them token for token. Only `lab.prompts` is imported from the lab (it needs no transformers).
+with them token for token. Only `lab.app.builtin_prompts` is imported from the lab (it needs no transformers).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lab.prompts import BUILTIN_PROMPTS
+from lab.app.builtin_prompts import BUILTIN_PROMPTS
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SETTINGS: list[str | list[int]] = ["high", "low", [0, 2, 4, 6, 8, 10]]
@@ -43,7 +43,7 @@ def model_dir() -> str:
 
 
 def encode(tokenizer, text: str) -> list[int]:
-    """Same as lab.models.LoadedModel.encode(text, chat=True)."""
+    """Same as lab.engine.models.LoadedModel.encode(text, chat=True)."""
     messages = [{"role": "user", "content": text}]
     chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(chat, add_special_tokens=False)["input_ids"]

@@ -1,14 +1,14 @@
 """Where the time of one decode step and one tree-verify step goes, per weight precision (issue 17).
 
-For each precision: the median wall time of a bare `lab.runtime.decode_step` (one token after a prompt) and of a
-`lab.runtime.verify_tree` over a --nodes-node tree under `rows_invariant`, as the verifier runs it (cache
+For each precision: the median wall time of a bare `lab.engine.runtime.decode_step` (one token after a prompt) and of a
+`lab.engine.runtime.verify_tree` over a --nodes-node tree under `rows_invariant`, as the verifier runs it (cache
 cropped back after each), then one torch.profiler pass over the same calls that splits the time into matmul
 kernels (`aten::mm` / `addmm` and the low-bit `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`),
-attention (`scaled_dot_product_attention`, or the float64 ops of `lab.invariance.exact_attention`), the other
+attention (`scaled_dot_product_attention`, or the float64 ops of `lab.engine.invariance.exact_attention`), the other
 ATen ops (norms, rotary, cache concatenation, elementwise) and the rest: Python and module dispatch, i.e. wall
 time no ATen op accounts for. Finally the per-token wall time of the greedy strategy itself (the step plus
 logits processing, the top-5 alternatives shown in the UI and detokenization). Timings are noisy on a shared
-machine: run it alone. With the C++ decoder layers (`lab.native_forward`) the attention loop runs inside
+machine: run it alone. With the C++ decoder layers (`lab.engine.native_forward`) the attention loop runs inside
 `decoding_lab::decoder_layers`, whose self time (that loop and the op's own bookkeeping) counts as attention.
 
 `--compare-native` instead times the decode step and the tree verify with the C++ layers on and off
@@ -28,16 +28,16 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lab import native_forward, runtime
-from lab.invariance import rows_invariant
-from lab.models import LoadedModel, load_model
+from lab.engine import native_forward, runtime
+from lab.engine.invariance import rows_invariant
+from lab.engine.models import LoadedModel, load_model
+from lab.engine.tree_attention import TreeAttention, build_tree_attention
 from lab.params import build_params
 from lab.trace import summarize
-from lab.tree import TreeAttention, build_tree_attention
 from strategies import collect, get_strategy
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu")
-# SDPA (prefill, batched forwards, float32) and `lab.invariance.exact_attention`'s float64 ops (bf16 decode steps
+# SDPA (prefill, batched forwards, float32) and `lab.engine.invariance.exact_attention`'s float64 ops (bf16 decode steps
 # and verify forwards); aten::bmm also holds the rotary embedding's tiny product
 ATTENTION = ("aten::scaled_dot_product_attention", "aten::bmm", "aten::_softmax", "aten::masked_fill_")
 NATIVE = "decoding_lab::decoder_layers"  # its self time: the C++ attention loop and the op's bookkeeping

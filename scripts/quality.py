@@ -3,7 +3,7 @@
 For every precision (bf16 = float weights, int8, int4; activations in --dtype) and every builtin prompt (chat
 template on), greedy decoding of --tokens tokens, scored against the fp32 model with float weights (the
 reference): the mean log-probability per generated token under the reference (nats; one teacher-forced forward,
-`lab.measure.output_log_likelihood`), the share of positions whose token equals the reference's greedy token
+`lab.tools.measure.output_log_likelihood`), the share of positions whose token equals the reference's greedy token
 (position by position: after a first difference the texts drift apart, so this also counts the drift), the mean
 length of the common prefix, and the teacher-forced top-1 agreement (on the reference's own greedy text, the
 share of positions where the precision's argmax equals the reference's argmax: a per-token measure without
@@ -20,10 +20,10 @@ import statistics
 
 import torch
 
-from lab.measure import output_log_likelihood
-from lab.models import LoadedModel, load_model
+from lab.app.builtin_prompts import load_prompts
+from lab.engine.models import LoadedModel, load_model
 from lab.params import build_params
-from lab.prompts import load_prompts
+from lab.tools.measure import output_log_likelihood
 from lab.trace import TokenEmitted
 from strategies import collect, get_strategy
 

@@ -45,13 +45,13 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from lab.autoregressive import top_alternatives
-from lab.models import LoadedModel
+from lab.engine.autoregressive import top_alternatives
+from lab.engine.models import LoadedModel
+from lab.engine.runtime import DecodeState
+from lab.engine.sampling import SamplingConfig, choose_token, process_logits
+from lab.engine.text import IncrementalDetokenizer
 from lab.params import DecodeParams, InputError, param
 from lab.registry import Strategy
-from lab.runtime import DecodeState
-from lab.sampling import SamplingConfig, choose_token, process_logits
-from lab.text import IncrementalDetokenizer
 from lab.trace import Event, GuidanceStep, RunFinished, TokenEmitted
 
 UNCONDITIONAL_CHOICES = ("last-token", "user-message", "empty", "negative-prompt")

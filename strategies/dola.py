@@ -5,7 +5,7 @@ Covered: the candidate premature layers exactly as transformers 4.52 picks them 
 (Eq. 1), the premature layer M = argmax_j JSD(q_N || q_j) over the candidates (Eq. 3, `js_divergences`, reduced
 as the reference does: KL terms averaged over the vocabulary), the contrast log q_N - log q_M restricted to
 V_head = {x : q_N(x) >= alpha * max_w q_N(w)} (Eq. 4, `plausibility_contrast`), then the repetition penalty
-(Sec. 2.4, theta = 1.2 by default) and greedy argmax or sampling (temperature / top-k / top-p via `lab.sampling`,
+(Sec. 2.4, theta = 1.2 by default) and greedy argmax or sampling (temperature / top-k / top-p via `lab.engine.sampling`,
 every draw from the explicit generator). A second, non-paper mode "soft contrast" (`soft_contrast`) scores
 log q_N + a * max(0, log q_N - log q_M): it only boosts tokens the final layer likes more than layer M and
 never removes a token, so the base distribution's grammar stays intact (no V_head needed).
@@ -46,12 +46,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lab import runtime
-from lab.models import LoadedModel
+from lab.engine import runtime
+from lab.engine.models import LoadedModel
+from lab.engine.sampling import SamplingConfig, apply_repetition_penalty, choose_token, process_logits
+from lab.engine.text import IncrementalDetokenizer
 from lab.params import DecodeParams, InputError, param
 from lab.registry import Strategy
-from lab.sampling import SamplingConfig, apply_repetition_penalty, choose_token, process_logits
-from lab.text import IncrementalDetokenizer
 from lab.trace import Event, LayerContrast, RunFinished, TokenEmitted
 
 TOP_K = 8

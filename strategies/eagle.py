@@ -20,7 +20,7 @@ re-reads the path with real features in step 1 of the next round, as EAGLE's imp
 token stream out. The first token comes from the prefill forward, as in greedy decoding.
 
 Defaults (total_tokens 16, depth 3, branch 8) come from measuring the round's parts on the embedded model on the
-2-core CPU (`lab.heads.eagle_tune` replays tree sizes, then `lab bench` checked the best few; the README's EAGLE
+2-core CPU (`lab.tools.eagle_tune` replays tree sizes, then `lab bench` checked the best few; the README's EAGLE
 section has the table).
 Deliberate differences: EOS nodes are not expanded; no repetition penalty (it would depend on each node's path);
 the head only scores its draft vocabulary V_d (`lab.heads.eagle`).
@@ -36,14 +36,14 @@ from dataclasses import dataclass
 
 import torch
 
+from lab.engine.models import LoadedModel
+from lab.engine.sampling import SamplingConfig
 from lab.heads import published_build
 from lab.heads.eagle import KIND, EagleHead, build_head
 from lab.heads.eagle3 import Eagle3Head
 from lab.heads.published import is_lab_stem
-from lab.models import LoadedModel
 from lab.params import DecodeParams, param
 from lab.registry import Strategy
-from lab.sampling import SamplingConfig
 from lab.speculative.proposers import cached_heads
 from lab.speculative.proposers.eagle import EagleProposer, TreeShape
 from lab.speculative.tree import TreeSettings, tree_loop

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.autoregressive import decode_loop
-from lab.models import LoadedModel
+from lab.engine.autoregressive import decode_loop
+from lab.engine.models import LoadedModel
+from lab.engine.sampling import SamplingConfig
 from lab.params import DecodeParams, param
 from lab.registry import Strategy
-from lab.sampling import SamplingConfig
 from lab.trace import Event
 
 

@@ -9,7 +9,7 @@ last committed token, not yet in the KV cache); 3. acceptance picks a root-to-no
 feeds the heads. The first token comes from the prefill forward (like greedy).
 Acceptance modes:
 - greedy (exact): follow the child equal to the target's argmax (`lab.speculative.acceptance`); the output
-  equals greedy decoding token for token, in fp32 and in bf16 (`lab.invariance`);
+  equals greedy decoding token for token, in fp32 and in bf16 (`lab.engine.invariance`);
 - typical (lossy, Cai et al. 2024, Sec. 2.3.1): node x is accepted if p(x) > min(epsilon, delta * exp(-H(p)))
   under its parent's temperature-scaled target distribution; the longest accepted path wins (first in node order
   on ties) and the next token is sampled from p after it. Faster, but not the target's distribution;
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
+from lab.engine.models import LoadedModel
 from lab.heads import published_build
 from lab.heads.medusa import MedusaHeads
 from lab.heads.published import is_lab_stem
-from lab.models import LoadedModel
 from lab.registry import Strategy
 from lab.speculative.params import HeadTreeParams, tree_settings
 from lab.speculative.proposers import cached_heads

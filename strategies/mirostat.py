@@ -1,5 +1,5 @@
 """Mirostat v1 and v2 (Basu et al., ICLR 2021): the strategy's Params and run; the samplers, the feedback rule
-and the decode loop are in `lab.mirostat` (its docstring covers the conventions and what is not covered)."""
+and the decode loop are in `lab.methods.mirostat` (its docstring covers the conventions and what is not covered)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.mirostat import (
+from lab.engine.models import LoadedModel
+from lab.methods.mirostat import (
     COMPARE,
     CONVENTIONS,
     DEFAULT_ETA,
@@ -19,7 +20,6 @@ from lab.mirostat import (
     TruncationSampler,
     decode_loop,
 )
-from lab.models import LoadedModel
 from lab.params import DecodeParams, param
 from lab.registry import Strategy
 from lab.trace import Event, RunFinished

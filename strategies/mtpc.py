@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lab.engine.models import LoadedModel
 from lab.heads.mtpc import MTPCHeads
-from lab.models import LoadedModel
 from lab.registry import Strategy
 from lab.speculative.params import HeadTreeParams, tree_settings
 from lab.speculative.proposers import cached_heads

@@ -2,13 +2,13 @@
 the model's window by letting the model inspect the context through a sandboxed Python REPL.
 
 The prompt is the question. The context is a generated task (`task`: needle / count / sum over synthetic logs
-of `context_tokens` tokens from `task_seed`, `lab.rlm.tasks`, with a known answer; tally is the family whose
+of `context_tokens` tokens from `task_seed`, `lab.methods.rlm.tasks`, with a known answer; tally is the family whose
 answer needs a sub-call on every chunk) or the text pasted in
 `context_text` (`task` = pasted). With `use_task_question` on, a generated task's own question replaces the
 prompt (so its answer can be checked); otherwise the prompt is asked. The context lives only in the worker
-(`lab.rlm.sandbox`); the root sees its length and a prefix. `mode` = action (default; the model picks each
-step from a constrained grammar, `lab.rlm.actions`) or code (the paper's free-form ```repl code; refused
-unless the sandbox is fully isolated, see `lab.rlm.sandbox`). The loop itself is `lab.rlm.loop`.
+(`lab.methods.rlm.sandbox`); the root sees its length and a prefix. `mode` = action (default; the model picks each
+step from a constrained grammar, `lab.methods.rlm.actions`) or code (the paper's free-form ```repl code; refused
+unless the sandbox is fully isolated, see `lab.methods.rlm.sandbox`). The loop itself is `lab.methods.rlm.loop`.
 Emits: RlmContext, one ReplCall per root turn and sub-call, RlmResult, the answer's tokens as TokenEmitted
 (source "target"), RunFinished (stop_reason eos after FINAL, max_new_tokens after a limit).
 `max_new_tokens` bounds each root turn's generation in code mode and the length of the emitted answer.
@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.models import LoadedModel
+from lab.engine.models import LoadedModel
+from lab.engine.text import IncrementalDetokenizer
+from lab.methods.rlm import tasks
+from lab.methods.rlm.loop import RlmConfig, RlmRun, answer_matches
+from lab.methods.rlm.sandbox import Sandbox, SandboxLimits, code_mode_refusal, probe_isolation
 from lab.params import DecodeParams, InputError, param
 from lab.registry import Strategy
-from lab.rlm import tasks
-from lab.rlm.loop import RlmConfig, RlmRun, answer_matches
-from lab.rlm.sandbox import Sandbox, SandboxLimits, code_mode_refusal, probe_isolation
-from lab.text import IncrementalDetokenizer
 from lab.trace import Event, RlmContext, RlmResult, RunFinished, TokenEmitted
 
 MAX_CONTEXT_CHARS = 4_000_000

@@ -1,7 +1,7 @@
 """Plain autoregressive decoding: sampling with temperature, top-k, top-p, min-p and repetition penalty.
 
-The loop is `lab.autoregressive.decode_loop` (`strategies.greedy` runs it at temperature 0).
-Each step: 1. process the last logits (HF order, `lab.sampling`), 2. pick a token (argmax or a seeded draw),
+The loop is `lab.engine.autoregressive.decode_loop` (`strategies.greedy` runs it at temperature 0).
+Each step: 1. process the last logits (HF order, `lab.engine.sampling`), 2. pick a token (argmax or a seeded draw),
 3. emit it with the top alternatives of the distribution it was drawn from, 4. stop at EOS or the budget,
 5. run one decode step. Matches `model.generate` token for token in greedy mode (tested in fp32).
 """
@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.autoregressive import decode_loop
-from lab.models import LoadedModel
+from lab.engine.autoregressive import decode_loop
+from lab.engine.models import LoadedModel
+from lab.engine.sampling import SamplingConfig
 from lab.params import DecodeParams, param
 from lab.registry import Strategy
-from lab.sampling import SamplingConfig
 from lab.trace import Event
 
 

@@ -16,7 +16,7 @@ exactly as p for any q with x ~ q (Leviathan et al. 2023, Thm. 3.5), so the proc
 (as in plain sampling), never the guarantee; using the same processors on q only raises acceptance. In greedy
 mode (temperature 0) p and q are one-hot argmaxes (`target_distribution`): a draft token is kept iff it is the
 target's argmax, so the output equals greedy decoding token for token (up to float ties: batched verify
-logits could differ from one-token logits in the last bits; in bf16 `lab.invariance` makes verify rows compute
+logits could differ from one-token logits in the last bits; in bf16 `lab.engine.invariance` makes verify rows compute
 exactly as one-token steps).
 Sampling mode matches the target's distribution but not `sample`'s tokens for the same seed (other draws).
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.models import LoadedModel
+from lab.engine.models import LoadedModel
 from lab.registry import Strategy
 from lab.speculative.chain import chain_loop
 from lab.speculative.params import ChainParams, chain_proposer, chain_settings

@@ -3,7 +3,7 @@ works while the target verifies, pre-drafting the next round for the likely veri
 
 Each round: 1. the draft is taken from the speculation cache when the last round's outcome (k accepted, token
 t) was guessed (a hit; a branch cut short is drafted on to gamma on the main thread), else drafted on the main
-thread (a miss), 2. the drafter thread (`lab.speculative.proposers.ssd.Speculator`) starts guessing this round's
+thread (a miss), 2. the drafter thread (`lab.speculative.schedules.ssd.Speculator`) starts guessing this round's
 outcomes, best first
 (`plan_outcomes`: acceptance rate alpha and the drafter's top-F candidates per position), and
 pre-drafts the next round for each, 3. the target verifies the draft in one forward and `accept_chain` decides
@@ -13,11 +13,11 @@ round's `DraftRound`, `SpeculationRound`, `PipelineSpan`s (who ran what when: th
 stream out, 6. gamma adapts as in vanilla SD (for the guessed branches it is computed per guessed outcome).
 
 Losslessness: every round's draft is drawn from q on that round's exact context, independently of its own
-acceptance draws (see `lab.speculative.proposers.ssd`), so greedy output equals greedy decoding and sampled output
+acceptance draws (see `lab.speculative.schedules.ssd`), so greedy output equals greedy decoding and sampled output
 is distributed as
 the target's; sampled runs are not reproducible from the seed because hits depend on timing.
 Threads (CPU): the drafter thread runs `draft_threads` torch threads, the target's thread `target_threads` during
-its verify (0 = auto: the rest of the cores); `lab.speculative.proposers.ssd` documents the split and restores it.
+its verify (0 = auto: the rest of the cores); `lab.speculative.schedules.ssd` documents the split and restores it.
 Not covered: CUDA streams or a second device for the drafter, batched branch drafting (the paper's GPU
 path), Saguaro sampling, tree drafts.
 """
@@ -29,14 +29,14 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.models import LoadedModel
+from lab.engine.models import LoadedModel
 from lab.params import param
 from lab.registry import Strategy
 from lab.speculative.chain import chain_loop, next_gamma
 from lab.speculative.draft import Proposer
 from lab.speculative.params import ChainParams, chain_proposer, chain_settings
 from lab.speculative.proposers import DRAFTERS
-from lab.speculative.proposers.ssd import SSDSchedule, SSDSettings
+from lab.speculative.schedules.ssd import SSDSchedule, SSDSettings
 from lab.trace import Event
 
 

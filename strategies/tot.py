@@ -6,7 +6,7 @@ the best b (BFS, Alg. 1), or explores best-first with pruning and backtracking (
 holds the task input: a Game of 24 hand ("4 9 10 13"), the sentences (or topic) to write about, or a question.
 Game of 24 thoughts are decoded under a legality constraint (every legal move line scored in one tree-attention
 forward, k drawn from the renormalized distribution), so the 135M model writes only valid steps; see
-`lab.tot` for the tasks, prompts, model calls and search. The chat-templated prompt is unwrapped back to the
+`lab.methods.tot` for the tasks, prompts, model calls and search. The chat-templated prompt is unwrapped back to the
 user's text; every model call uses raw few-shot prompts.
 Output: ThoughtNode / ThoughtStep events while searching, a ThoughtResult, then the answer (the final path's
 text) as TokenEmitted events and RunFinished. `max_new_tokens` caps each sampled thought of the text tasks
@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.models import LoadedModel
+from lab.engine.models import LoadedModel
+from lab.engine.text import IncrementalDetokenizer
+from lab.methods.tot.lm import CallModel
+from lab.methods.tot.search import SEARCHES, VALUE_MODES, SearchConfig, TreeSearch
+from lab.methods.tot.tasks import TASKS, make_task
 from lab.params import DecodeParams, param
 from lab.registry import Strategy
-from lab.text import IncrementalDetokenizer
-from lab.tot.lm import CallModel
-from lab.tot.search import SEARCHES, VALUE_MODES, SearchConfig, TreeSearch
-from lab.tot.tasks import TASKS, make_task
 from lab.trace import Event, RunFinished, ThoughtResult, TokenEmitted
 
 PROMPT_MARKER = "\u2063TOT-PROMPT\u2063"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lab.models import LoadedModel, load_model
+from lab.engine.models import LoadedModel, load_model
 from tests.tiny import tiny_loaded_model
 
 

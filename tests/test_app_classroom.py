@@ -1,6 +1,6 @@
-"""The classroom pieces without a model: the shared model lane (lab.shared_runs), paced release (lab.pacing),
-token stepping (lab.replay), branch points and branch traces (lab.branching, Trace.branch), the thread policy
-(lab.threads) and the tree of runs (visualizers.branches)."""
+"""The classroom pieces without a model: the shared model lane (lab.app.shared_runs), paced release (lab.app.pacing),
+token stepping (lab.app.replay), branch points and branch traces (lab.app.branching, Trace.branch), the thread policy
+(lab.engine.threads) and the tree of runs (visualizers.branches)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import time
 
 import pytest
 
-from lab import shared_runs, threads
-from lab.branching import BranchError, branch_point, branch_record
-from lab.pacing import STEP, PaceControl, Pacer, token_cuts
-from lab.replay import token_count, trace_at, trace_at_token
-from lab.shared_runs import QueueFull, RunHub, Waiting
+from lab.app import shared_runs
+from lab.app.branching import BranchError, branch_point, branch_record
+from lab.app.pacing import STEP, PaceControl, Pacer, token_cuts
+from lab.app.replay import token_count, trace_at, trace_at_token
+from lab.app.shared_runs import QueueFull, RunHub, Waiting
+from lab.engine import threads
 from lab.trace import RunFinished, TokenEmitted, Trace, from_json, to_json
 from visualizers.branches import run_tree_html
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lab import compare, history, learn, presets, replay, zerogpu
-from lab.controls import dependencies, visibility
+from lab.app import compare, history, learn, presets, replay, zerogpu
+from lab.app.controls import dependencies, visibility
 from lab.params import build_params
 from lab.trace import RunFinished, TokenEmitted, Trace, TraceError, to_json
 from strategies import ORDER, REGISTRY

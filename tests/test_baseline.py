@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lab.app.builtin_prompts import BUILTIN_PROMPTS
+from lab.engine.text import IncrementalDetokenizer
 from lab.params import build_params
-from lab.prompts import BUILTIN_PROMPTS
-from lab.text import IncrementalDetokenizer
 from lab.trace import RunFinished, TokenEmitted
 from strategies import collect, get_strategy
 from tests.tiny import tiny_loaded_model

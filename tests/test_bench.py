@@ -1,4 +1,5 @@
-"""The benchmark (`lab.bench`): rows, speedups, the table, and prompt files. Speeds are measured, never asserted."""
+"""The benchmark (`lab.tools.bench`): rows, speedups, the table, and prompt files. Speeds are measured, never
+asserted."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from lab.bench import HF_ROW, format_table, run_bench
+from lab.app.builtin_prompts import load_prompts
 from lab.params import InputError
-from lab.prompts import load_prompts
+from lab.tools.bench import HF_ROW, format_table, run_bench
 
 
 @pytest.mark.embedded

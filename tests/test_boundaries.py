@@ -38,7 +38,14 @@ def test_trace_does_not_import_torch() -> None:
 
 
 def test_engine_and_strategies_do_not_import_gradio() -> None:
-    engine = ["lab.models", "lab.runtime", "lab.sampling", "lab.runner", "lab.validation", "strategies"]
+    engine = [
+        "lab.engine.models",
+        "lab.engine.runtime",
+        "lab.engine.sampling",
+        "lab.app.runner",
+        "lab.app.validation",
+        "strategies",
+    ]
     assert _loaded_modules(engine, ["gradio"]) == []
 
 

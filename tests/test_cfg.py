@@ -17,9 +17,9 @@ from transformers.generation.logits_process import UnbatchedClassifierFreeGuidan
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import strategies.cfg as cfg
-from lab import runtime
+from lab.app.builtin_prompts import BUILTIN_PROMPTS
+from lab.engine import runtime
 from lab.params import InputError, build_params
-from lab.prompts import BUILTIN_PROMPTS
 from lab.trace import GuidanceStep, RunFinished, TokenEmitted, Trace, from_json, to_json
 from strategies import collect, get_strategy
 from visualizers import VIEWS, strategy_figures

@@ -1,6 +1,6 @@
 """The command line `python -m lab`: listing, running, traces and exit codes for bad input.
 
-Validation errors happen before any model is loaded, so those cases call `lab.cli.main(argv)` in process
+Validation errors happen before any model is loaded, so those cases call `lab.tools.cli.main(argv)` in process
 (cheap); `list --json` and one full `run` go through a subprocess (`sys.executable -m lab`), the run being the
 only subprocess that loads the model (about 15 s).
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from lab import cli
+from lab.app.validation import MAX_PROMPT_CHARS
+from lab.tools import cli
 from lab.trace import from_json
-from lab.validation import MAX_PROMPT_CHARS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,7 +127,7 @@ def test_ctrl_c_exits_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captur
     def interrupt(request):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("lab.runner.prepare", interrupt)
+    monkeypatch.setattr("lab.app.runner.prepare", interrupt)
     assert cli.main(["run", "--strategy", "greedy", "--prompt", "hi"]) == 130
     assert "interrupted" in capsys.readouterr().err
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lab.engine.models import LoadedModel, wrap_model
+from lab.engine.sampling import SamplingConfig, process_logits, target_distribution
 from lab.heads.eagle import build_head
-from lab.models import LoadedModel, wrap_model
-from lab.sampling import SamplingConfig, process_logits, target_distribution
 from lab.speculative import tree
 from lab.speculative.acceptance import Acceptance
 from lab.speculative.draft import Draft, Proposer

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab.distill.dataset import load_distill
-from lab.distill.generate import DistillSettings, run_distill
-from lab.distill.prompts import distill_prompts
+from lab.app.builtin_prompts import BUILTIN_PROMPTS, CATEGORIES
 from lab.params import InputError
-from lab.prompts import BUILTIN_PROMPTS, CATEGORIES
+from lab.training.distill.dataset import load_distill
+from lab.training.distill.generate import DistillSettings, run_distill
+from lab.training.distill.prompts import distill_prompts
 
 
 def test_prompt_set_is_large_diverse_and_disjoint_from_the_benchmark() -> None:

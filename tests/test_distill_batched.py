@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab.distill.batched import Capture, decode_batch
-from lab.distill.dataset import load_distill
-from lab.distill.generate import DistillSettings, eagle3_layers, run_distill
-from lab.distill.prompt_filter import PromptPool, near_benchmark, normalise, reject_reason
-from lab.distill.prompts import distill_prompts
+from lab.app.builtin_prompts import BUILTIN_PROMPTS
 from lab.params import InputError
-from lab.prompts import BUILTIN_PROMPTS
+from lab.training.distill.batched import Capture, decode_batch
+from lab.training.distill.dataset import load_distill
+from lab.training.distill.generate import DistillSettings, eagle3_layers, run_distill
+from lab.training.distill.prompt_filter import PromptPool, near_benchmark, normalise, reject_reason
+from lab.training.distill.prompts import distill_prompts
 
 BENCH = [p.text for p in BUILTIN_PROMPTS]
 

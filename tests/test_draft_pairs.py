@@ -14,8 +14,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from lab import presets
-from lab.models import load_model
+from lab.app import presets
+from lab.engine.models import load_model
 from lab.params import InputError, build_params
 from lab.trace import TokenEmitted
 from strategies import REGISTRY, collect, get_strategy
@@ -99,7 +99,7 @@ def test_draft_presets_name_the_known_pairs() -> None:
 
 
 def test_models_doc_covers_every_strategy_and_every_head_layout() -> None:
-    from lab import learn
+    from lab.app import learn
     from lab.heads.published import LAYOUTS
 
     text = learn.models_markdown()

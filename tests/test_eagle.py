@@ -14,18 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab.distill.dataset import load_distill
-from lab.distill.generate import DistillSettings, run_distill
-from lab.heads import eagle_train
-from lab.heads.cli import TrainOptions
+from lab.app.builtin_prompts import BUILTIN_PROMPTS
+from lab.engine.models import wrap_model
 from lab.heads.common import load_heads, save_heads
 from lab.heads.eagle import EagleCache, build_head
-from lab.models import wrap_model
 from lab.params import build_params
-from lab.prompts import BUILTIN_PROMPTS
 from lab.speculative.proposers.eagle import EagleProposer, TreeShape, grow_tree, rerank
 from lab.speculative.tree import TreeSettings, tree_loop
 from lab.trace import EagleDraft, RunFinished, TokenEmitted, Trace, TreeRound, from_json, summarize, to_json
+from lab.training import eagle_train
+from lab.training.cli import TrainOptions
+from lab.training.distill.dataset import load_distill
+from lab.training.distill.generate import DistillSettings, run_distill
 from strategies import collect, get_strategy
 from strategies.eagle import EagleParams
 from tests.stats import assert_joint_matches
@@ -230,7 +230,7 @@ def small_model(seed: int = 0):
 
 def exact_pair(loaded, prompt: list[int], config) -> torch.Tensor:
     """p(x2, x3) [V, V]: the second and third generated tokens, x1 summed out, from full forwards."""
-    from lab.sampling import process_logits, target_distribution
+    from lab.engine.sampling import process_logits, target_distribution
 
     def p_next(ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
@@ -281,7 +281,7 @@ def test_embedded_greedy_eagle_equals_greedy(embedded) -> None:
 
 
 def test_tuning_replays_smaller_trees_from_one_big_run(tiny_trained) -> None:
-    from lab.heads.eagle_tune import rounds_of, tau_for
+    from lab.tools.eagle_tune import rounds_of, tau_for
 
     loaded, stem, _ = tiny_trained
     tensors, _ = load_heads("eagle", loaded, str(stem))

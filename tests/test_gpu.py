@@ -14,10 +14,10 @@ import os
 import pytest
 import torch
 
-from lab.models import load_model, resolve_device, resolve_dtype
+from lab.app.builtin_prompts import BUILTIN_PROMPTS
+from lab.app.runner import make_generator
+from lab.engine.models import load_model, resolve_device, resolve_dtype
 from lab.params import build_params
-from lab.prompts import BUILTIN_PROMPTS
-from lab.runner import make_generator
 from lab.trace import RunFinished, TokenEmitted
 from strategies import collect, get_strategy
 

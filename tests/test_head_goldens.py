@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from lab.engine.models import wrap_model
 from lab.heads.eagle import EagleCache
 from lab.heads.published_build import load_eagle, load_medusa
-from lab.models import wrap_model
 from tests import published_ckpt as ckpt
 from tests.tiny import ByteTokenizer, tiny_llama
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab.distill.dataset import load_distill
-from lab.distill.generate import DistillSettings, run_distill
 from lab.heads.checkpoint import Checkpoint
-from lab.heads.cli import TrainOptions
-from lab.heads.medusa_train import fit
 from lab.params import InputError
+from lab.training.cli import TrainOptions
+from lab.training.distill.dataset import load_distill
+from lab.training.distill.generate import DistillSettings, run_distill
+from lab.training.medusa_train import fit
 from tests.tiny import tiny_loaded_model
 
 
@@ -62,7 +62,7 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path: Path) -> N
 
 @pytest.fixture(scope="module")
 def eagle3_run(tmp_path_factory):
-    from lab.heads import eagle3_train
+    from lab.training import eagle3_train
 
     loaded = tiny_loaded_model(seed=0, layers=8)
     folder = tmp_path_factory.mktemp("eagle3")

@@ -1,4 +1,4 @@
-"""`lab.lean_forward` computes what `model(...)` computes, bit for bit: logits, hidden states and cache contents,
+"""`lab.engine.lean_forward` computes what `model(...)` computes, bit for bit: logits, hidden states and cache contents,
 for prefill, one-token steps, causal chains and tree masks, at every precision (issue 17)."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from lab import runtime
-from lab.invariance import rows_invariant
-from lab.lean_forward import SWITCH, lean_forward, supports
-from lab.models import load_model, wrap_model
-from lab.quant import Int4Linear, Int8Linear, concatenate, q4_from_weight, quantize_model
-from lab.tree import build_tree_attention
+from lab.engine import runtime
+from lab.engine.invariance import rows_invariant
+from lab.engine.lean_forward import SWITCH, lean_forward, supports
+from lab.engine.models import load_model, wrap_model
+from lab.engine.quant import Int4Linear, Int8Linear, concatenate, q4_from_weight, quantize_model
+from lab.engine.tree_attention import build_tree_attention
 from tests.tiny import ByteTokenizer, tiny_llama
 
 TREE_PARENTS = [-1, 0, 0, 1, 2, 3]
@@ -55,7 +55,7 @@ def assert_same_as_transformers(model: torch.nn.Module, forwards: list[tuple[lis
 def test_lean_forward_equals_transformers(dtype, precision, hidden) -> None:
     model = tiny_llama(3, layers=3, hidden=hidden).to(dtype)
     quantize_model(model, precision, dtype)
-    loaded = wrap_model(model, ByteTokenizer())  # bf16: row-invariant attention and linears (lab.invariance)
+    loaded = wrap_model(model, ByteTokenizer())  # bf16: row-invariant attention and linears (lab.engine.invariance)
     with rows_invariant(loaded):  # as verification runs
         assert_same_as_transformers(model, _forwards(9))
     assert_same_as_transformers(model, _forwards(9))  # plain SDPA for the multi-row forwards

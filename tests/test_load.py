@@ -23,8 +23,8 @@ import httpx
 import pytest
 from gradio_client import Client
 
-from lab.shared_runs import key_digest, request_key
-from lab.validation import validate_request
+from lab.app.shared_runs import key_digest, request_key
+from lab.app.validation import validate_request
 from tests.appserver import running_app
 from ui.common import MAX_RUN_SECONDS, QUEUE_MAX_SIZE
 

@@ -192,11 +192,11 @@ def test_sampling_mode_matches_the_target_distribution() -> None:
 
 
 def test_train_medusa_on_tiny_distill_data(tmp_path: Path) -> None:
-    from lab.distill.dataset import load_distill
-    from lab.distill.generate import DistillSettings, run_distill
-    from lab.heads.cli import TrainOptions
     from lab.heads.common import load_heads, model_shape, save_heads
-    from lab.heads.medusa_train import train
+    from lab.training.cli import TrainOptions
+    from lab.training.distill.dataset import load_distill
+    from lab.training.distill.generate import DistillSettings, run_distill
+    from lab.training.medusa_train import train
 
     loaded = tiny_loaded_model(0)
     run_distill(

@@ -11,9 +11,7 @@ import statistics
 import pytest
 import torch
 
-from lab.cli import main
-from lab.evaluate import EvalResult, RowSpec, format_table, parse_baselines, parse_floats, rep4, summarize_row
-from lab.mirostat import (
+from lab.methods.mirostat import (
     LN2,
     LoopSpec,
     MirostatSampler,
@@ -27,6 +25,8 @@ from lab.mirostat import (
     zipf_log_k,
 )
 from lab.params import InputError, build_params
+from lab.tools.cli import main
+from lab.tools.evaluate import EvalResult, RowSpec, format_table, parse_baselines, parse_floats, rep4, summarize_row
 from lab.trace import MirostatStep, RunFinished, TokenEmitted, Trace, from_json, to_json
 from strategies import collect, get_strategy
 from strategies.mirostat import MirostatParams, resolved_eta

@@ -131,10 +131,10 @@ def test_sampling_mode_is_lossless() -> None:
 
 
 def test_train_mtpc_on_tiny_distill_data(tmp_path: Path) -> None:
-    from lab.distill.dataset import load_distill
-    from lab.distill.generate import DistillSettings, run_distill
-    from lab.heads.cli import TrainOptions
-    from lab.heads.mtpc_train import train
+    from lab.training.cli import TrainOptions
+    from lab.training.distill.dataset import load_distill
+    from lab.training.distill.generate import DistillSettings, run_distill
+    from lab.training.mtpc_train import train
 
     loaded = tiny_loaded_model(0)
     settings = DistillSettings("tiny", max_new_tokens=24, batch_size=4, limit=8)
@@ -155,7 +155,7 @@ def test_train_mtpc_on_tiny_distill_data(tmp_path: Path) -> None:
 @pytest.mark.embedded
 @pytest.mark.parametrize("name", ["medusa", "mtpc"])
 def test_greedy_heads_equal_greedy_on_the_embedded_model(embedded, name: str) -> None:
-    from lab.prompts import BUILTIN_PROMPTS
+    from lab.app.builtin_prompts import BUILTIN_PROMPTS
     from strategies import medusa, mtpc
 
     module = {"medusa": medusa, "mtpc": mtpc}[name]

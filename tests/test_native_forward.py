@@ -1,6 +1,7 @@
-"""`lab.native_forward` (the decoder layers as one C++ op) computes what the Python loop of `lab.lean_forward`
-computes: logits, hidden states and cache, bit for bit, for every forward it takes (one-token steps, chains and
-tree verifies under `rows_invariant`), at every precision; forwards it does not take keep the Python loop."""
+"""`lab.engine.native_forward` (the decoder layers as one C++ op) computes what the Python loop of
+`lab.engine.lean_forward` computes: logits, hidden states and cache, bit for bit, for every forward it takes (one-token
+steps, chains and tree verifies under `rows_invariant`), at every precision; forwards it does not take keep the Python
+loop."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import torch
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
 
-from lab import native_forward
-from lab.invariance import _hidden_keys, exact_attention, rows_invariant
-from lab.lean_forward import lean_forward
-from lab.models import load_model, wrap_model
-from lab.quant import Int8Linear, quantize_model
-from lab.tree import build_tree_attention
+from lab.engine import native_forward
+from lab.engine.invariance import _hidden_keys, exact_attention, rows_invariant
+from lab.engine.lean_forward import lean_forward
+from lab.engine.models import load_model, wrap_model
+from lab.engine.quant import Int8Linear, quantize_model
+from lab.engine.tree_attention import build_tree_attention
 from tests.test_lean_forward import _forwards
 from tests.tiny import ByteTokenizer, tiny_llama
 
@@ -171,7 +172,7 @@ def test_the_rotary_loop_equals_apply_rotary_pos_emb() -> None:
 
 def test_the_norms_sum_is_atens_float_sum() -> None:
     """The op's emulation of ATen's cascade sum gives torch.sum's float, row by row (lengths below, at and far
-    above the vector width; the width is the one lab.native_forward found on this CPU)."""
+    above the vector width; the width is the one lab.engine.native_forward found on this CPU)."""
     lanes = native_forward.lanes()
     if lanes == 0:  # no width found: the op runs ATen's own ops for the norms (tested above with lanes 0)
         pytest.skip("ATen's sum width is not one the op emulates on this CPU")

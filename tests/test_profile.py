@@ -1,4 +1,4 @@
-"""The module-level profile behind `bench --profile` (`lab.profile`), on tiny random models."""
+"""The module-level profile behind `bench --profile` (`lab.engine.profile`), on tiny random models."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lab.profile import OUTSIDE, TARGET, TARGET_PIECES, format_profile, module_timer, profile_row, section
+from lab.engine.profile import OUTSIDE, TARGET, TARGET_PIECES, format_profile, module_timer, profile_row, section
 from lab.speculative.params import tree_settings
 from lab.speculative.proposers.medusa import MedusaProposer
 from lab.speculative.tree import tree_loop

@@ -17,11 +17,11 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from lab.engine.models import wrap_model
 from lab.heads import published_build
 from lab.heads.eagle import EagleHead
 from lab.heads.eagle3 import Eagle3Head
 from lab.heads.published import detect, is_lab_stem, resolve_folder
-from lab.models import wrap_model
 from lab.params import InputError, build_params
 from strategies import collect, get_strategy
 from tests import published_ckpt as ckpt
@@ -261,7 +261,7 @@ def test_the_app_handler_shows_the_message_and_keeps_serving(tmp_path) -> None:
 
     import gradio as gr
 
-    from lab.validation import validate_request
+    from lab.app.validation import validate_request
     from tests.test_draft_pairs import byte_tokenizer, save_model
     from ui.common import stream_trace
 

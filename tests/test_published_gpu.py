@@ -13,10 +13,10 @@ import os
 import pytest
 import torch
 
+from lab.app.runner import make_generator
+from lab.engine.models import wrap_model
 from lab.heads import published_build
-from lab.models import wrap_model
 from lab.params import build_params
-from lab.runner import make_generator
 from lab.trace import TokenEmitted
 from strategies import collect, get_strategy
 from tests import published_ckpt as ckpt

@@ -1,4 +1,4 @@
-"""Weight-only low-bit linears (lab.quant): GGUF Q4_1 parsing, kernel exactness against the dequantized matrix,
+"""Weight-only low-bit linears (lab.engine.quant): GGUF Q4_1 parsing, kernel exactness against the dequantized matrix,
 model surgery (tied embeddings keep working), precision resolution, and losslessness at every precision: greedy
 of each lossless method equals greedy at that precision on tiny random Llamas. The embedded part checks that
 int4 holds exactly the GGUF file's weights and that greedy decoding works at int8 and int4."""
@@ -10,15 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lab.bench import build_requests
-from lab.bench_reference import LlamaCppRow
-from lab.cli import main
-from lab.heads.common import model_shape, save_heads
-from lab.heads.eagle import build_head, head_tensors
-from lab.heads.mtpc import init_tensors
-from lab.models import LoadedModel, wrap_model
-from lab.params import InputError, build_params
-from lab.quant import (
+from lab.engine.models import LoadedModel, wrap_model
+from lab.engine.quant import (
     GROUP,
     Int4Linear,
     Int8Linear,
@@ -29,6 +22,13 @@ from lab.quant import (
     quantized_copy,
     resolve_precision,
 )
+from lab.heads.common import model_shape, save_heads
+from lab.heads.eagle import build_head, head_tensors
+from lab.heads.mtpc import init_tensors
+from lab.params import InputError, build_params
+from lab.tools.bench import build_requests
+from lab.tools.bench_reference import LlamaCppRow
+from lab.tools.cli import main
 from lab.trace import TokenEmitted, Trace, from_json, to_json
 from strategies import collect, get_strategy
 from tests.tiny import ByteTokenizer, tiny_llama, tiny_loaded_model
@@ -87,7 +87,8 @@ def test_low_bit_linears_compute_x_times_their_dequantized_weight(kind: str, dty
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_low_bit_rows_do_not_depend_on_how_many_rows_there_are(kind: str) -> None:
-    """lab.invariance's contract for linears in bf16: a verify row equals the one-row decode product bit for bit."""
+    """lab.engine.invariance's contract for linears in bf16: a verify row equals the one-row decode product bit for
+    bit."""
     torch.manual_seed(1)
     weight = torch.randn(1536, 576) * 0.02
     dtype = torch.bfloat16
@@ -173,7 +174,7 @@ def test_every_lossless_method_equals_greedy_at_each_precision(precision: str, t
 
 @pytest.mark.embedded
 def test_embedded_int4_holds_the_gguf_weights_and_decodes(embedded) -> None:
-    from lab.models import load_model
+    from lab.engine.models import load_model
 
     int4 = load_model("smollm2-135m", device="cpu", dtype="float32", precision="int4")
     assert int4.precision == "int4" and isinstance(int4.lm_head, Int8Linear)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lab import runtime
+from lab.app.runner import make_generator
+from lab.engine import runtime
+from lab.methods.rlm import actions, lm, tasks
+from lab.methods.rlm.loop import answer_matches
 from lab.params import InputError, build_params
-from lab.rlm import actions, lm, tasks
-from lab.rlm.loop import answer_matches
-from lab.runner import make_generator
 from lab.trace import ReplCall, RlmContext, RlmResult, RunFinished, TokenEmitted, Trace, from_json, to_json
 from strategies import get_strategy
 
@@ -86,7 +86,7 @@ def test_grammar_offers_terms_peeks_map_add_and_a_generated_final() -> None:
 
 
 def test_grep_prints_lines_and_offsets_only() -> None:
-    from lab.rlm.sandbox import Sandbox, SandboxLimits
+    from lab.methods.rlm.sandbox import Sandbox, SandboxLimits
 
     context = "".join(f"Ticket {i}: status urgent.\n" for i in range(30))
     with Sandbox(context, SandboxLimits(timeout_s=5)) as box:
@@ -100,7 +100,7 @@ def test_grep_prints_lines_and_offsets_only() -> None:
 
 
 def test_final_answers_follow_the_reference_protocol() -> None:
-    from lab.rlm.loop import final_answer, final_var_name
+    from lab.methods.rlm.loop import final_answer, final_var_name
 
     assert final_answer("FINAL(42)\nHope this helps (really).") == "42"
     assert final_answer("The code ran.\n  FINAL('Oslo') and more") == "Oslo"
@@ -164,7 +164,7 @@ def test_embedded_model_runs_generated_tasks_in_action_mode(embedded, kind: str,
 def test_code_mode_runs_repl_blocks_sub_calls_and_final_var(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
     """Code mode's plumbing with a scripted root (the tiny model cannot write code): ```repl blocks run in the
     sandbox, llm_query reaches the sub-model, output returns to the root, FINAL_VAR reads a REPL variable."""
-    from lab.rlm import loop
+    from lab.methods.rlm import loop
 
     script = iter(
         [
@@ -206,7 +206,7 @@ def test_eval_traces_keep_the_run_params_and_the_first_tally_run(tmp_path) -> No
     import dataclasses
     import json
 
-    from lab.rlm.evaluate import TALLY_PARAMS, save_traces, task_params
+    from lab.methods.rlm.evaluate import TALLY_PARAMS, save_traces, task_params
 
     def result(correct: bool) -> list:
         return [RlmResult(0, "7", correct, "final", 1, 2, 30, 400)]

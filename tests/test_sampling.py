@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from lab.sampling import (
+from lab.engine.sampling import (
     SamplingConfig,
     apply_min_p,
     apply_repetition_penalty,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lab.rlm import sandbox as sandbox_module
-from lab.rlm.sandbox import (
+from lab.methods.rlm import sandbox as sandbox_module
+from lab.methods.rlm.sandbox import (
     LEVEL_TEXT,
     ExecResult,
     Isolation,

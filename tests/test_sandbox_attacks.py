@@ -15,8 +15,8 @@ import uuid
 
 import pytest
 
-from lab.rlm import sandbox as sandbox_module
-from lab.rlm.sandbox import ExecResult, Sandbox, SandboxError, SandboxLimits, probe_isolation
+from lab.methods.rlm import sandbox as sandbox_module
+from lab.methods.rlm.sandbox import ExecResult, Sandbox, SandboxError, SandboxLimits, probe_isolation
 
 FAST = SandboxLimits(timeout_s=3.0, cpu_s=10, memory_bytes=512 << 20, output_cap=4000)
 NO_HOOK = SandboxLimits(timeout_s=3.0, cpu_s=10, memory_bytes=512 << 20, output_cap=4000, audit=False)

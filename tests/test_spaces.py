@@ -20,8 +20,8 @@ import torch
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from lab import models
-from lab.models import EMBEDDED_GGUF, EMBEDDED_HUB_FALLBACK, EMBEDDED_MODEL, ModelCache, ModelLoadError
+from lab.engine import models
+from lab.engine.models import EMBEDDED_GGUF, EMBEDDED_HUB_FALLBACK, EMBEDDED_MODEL, ModelCache, ModelLoadError
 from tests.tiny import ByteTokenizer, tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,15 +113,15 @@ sys.meta_path.insert(0, Blocker())
 
 CHECK = """
 import gradio as gr
-import lab.models, lab.zerogpu
+import lab.engine.models, lab.app.zerogpu
 import app
 demo = app.build_app()
 print(json.dumps({
     "blocks": isinstance(demo, gr.Blocks),
-    "loaded": lab.models.MODEL_CACHE.loaded_specs(),
-    "embedded_dir": str(lab.models.embedded_model_dir()),
-    "zero_gpu_requested": lab.zerogpu.zero_gpu_requested(),
-    "zero_gpu_enabled": lab.zerogpu.zero_gpu_enabled(),
+    "loaded": lab.engine.models.MODEL_CACHE.loaded_specs(),
+    "embedded_dir": str(lab.engine.models.embedded_model_dir()),
+    "zero_gpu_requested": lab.app.zerogpu.zero_gpu_requested(),
+    "zero_gpu_enabled": lab.app.zerogpu.zero_gpu_enabled(),
     "spaces_calls": getattr(sys.modules.get("spaces"), "CALLS", None),
     "cuda_initialized": __import__("torch").cuda.is_initialized(),
 }))

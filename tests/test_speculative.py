@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lab.models import wrap_model
+from lab.app.builtin_prompts import BUILTIN_PROMPTS
+from lab.engine.models import wrap_model
+from lab.engine.runtime import early_exit_logits, forward, new_state
 from lab.params import InputError, build_params
-from lab.prompts import BUILTIN_PROMPTS
-from lab.runtime import early_exit_logits, forward, new_state
 from lab.speculative.acceptance import accept, accept_chain
 from lab.speculative.chain import chain_loop, next_gamma
 from lab.speculative.draft import Draft, DraftContext, Proposer, Verified
@@ -182,8 +182,8 @@ def test_a_different_tokenizer_is_refused(tiny) -> None:
 
 def test_greedy_walk_equals_alg1_with_one_hot_p_and_rolls_back(tiny) -> None:
     """The greedy walk decides exactly like Alg. 1 with one-hot p and q; commit keeps root + accepted tokens."""
-    from lab.runtime import prefill
-    from lab.sampling import target_distribution
+    from lab.engine.runtime import prefill
+    from lab.engine.sampling import target_distribution
     from lab.speculative.verify import commit, verify
 
     config, ids = params().sampling, [5, 6, 7, 8]
@@ -303,7 +303,7 @@ def small_model(seed: int):
 def exact_joint(loaded, prompt: list[int], config, skip: int = 1, length: int = 2) -> torch.Tensor:
     """p(x_{skip+1}, .., x_{skip+length}) [V] * length from full forwards through the same processors, the first
     `skip` tokens marginalised (the chain loop draws x1 from the prefill, so its rounds start at x2)."""
-    from lab.sampling import process_logits, target_distribution
+    from lab.engine.sampling import process_logits, target_distribution
 
     def p_next(ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():

@@ -13,7 +13,7 @@ from lab.speculative.acceptance import Acceptance, accept_chain
 from lab.speculative.draft import Draft
 from lab.speculative.params import chain_settings
 from lab.speculative.proposers import ModelProposer
-from lab.speculative.proposers.ssd import Job, SSDSchedule, SSDSettings
+from lab.speculative.schedules.ssd import Job, SSDSchedule, SSDSettings
 from strategies import collect, get_strategy
 from strategies.speculative import SpeculativeParams
 from strategies.ssd import SSDParams, ssd_loop
@@ -113,7 +113,7 @@ def test_three_token_joint_matches_the_target_with_gamma_3(method: str, monkeypa
 
 @pytest.fixture(scope="module")
 def tiny_bf16():
-    from lab.models import wrap_model
+    from lab.engine.models import wrap_model
     from tests.tiny import ByteTokenizer, tiny_llama
 
     return wrap_model(tiny_llama(4, layers=3).to(torch.bfloat16), ByteTokenizer(), spec="tiny-llama-bf16")
@@ -121,8 +121,8 @@ def tiny_bf16():
 
 def test_bf16_models_run_row_invariant_forwards(tiny_bf16) -> None:
     """A verify forward over n tokens computes each row bit for bit as a one-token decode step does."""
-    from lab import runtime
-    from lab.invariance import rows_invariant
+    from lab.engine import runtime
+    from lab.engine.invariance import rows_invariant
 
     ids = [5, 9, 3, 7, 1, 2]
     state, _ = runtime.prefill(tiny_bf16, ids[:2])
@@ -138,9 +138,9 @@ def test_bf16_tree_rows_equal_decode_steps_along_their_paths(tiny_bf16) -> None:
     """Tree verification (all rows in one masked float64 attention call) gives every node, bit for bit, the
     logits a decode step gives after the same path. (With this 40-token prefix, plain masked SDPA gives node 1
     other logits than the decode steps do.)"""
-    from lab import runtime
-    from lab.invariance import rows_invariant
-    from lab.tree import build_tree_attention
+    from lab.engine import runtime
+    from lab.engine.invariance import rows_invariant
+    from lab.engine.tree_attention import build_tree_attention
 
     prompt = [(7 * i + 3) % 250 + 1 for i in range(40)]
     parents, tokens = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 5, 7], [7, 1, 2, 8, 4, 6, 3, 9, 11, 12, 13]
@@ -160,7 +160,7 @@ def test_bf16_tree_rows_equal_decode_steps_along_their_paths(tiny_bf16) -> None:
 def test_exact_attention_rows_do_not_depend_on_the_other_rows_or_the_masked_keys() -> None:
     """A row of one masked call over many rows equals, bit for bit, the same row computed alone over only the
     keys it sees (the decode step's call); and it is the float64 attention rounded once."""
-    from lab.invariance import exact_attention
+    from lab.engine.invariance import exact_attention
 
     torch.manual_seed(0)
     heads, kv_heads, q_len, kv_len, dim = 6, 2, 9, 70, 16
@@ -219,7 +219,7 @@ def test_greedy_tree_methods_equal_greedy_in_bf16(tiny_bf16, repeating_prompt_id
 
 
 def test_the_row_invariance_switch_turns_it_off(monkeypatch) -> None:
-    from lab.invariance import SWITCH, make_rows_invariant
+    from lab.engine.invariance import SWITCH, make_rows_invariant
     from tests.tiny import tiny_llama
 
     monkeypatch.setenv(SWITCH, "0")

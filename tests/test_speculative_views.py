@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from lab.bench import parse_param_overrides
 from lab.params import InputError
 from lab.speculative.proposers import ModelProposer
+from lab.tools.bench import parse_param_overrides
 from lab.trace import DraftRound, summarize
 from tests.test_speculative import rounds_of, run_sd
 from tests.tiny import tiny_loaded_model
@@ -56,7 +56,7 @@ def test_bench_param_overrides_parse() -> None:
     ],
 )
 def test_bench_bad_params_exit_2_before_loading(args: list[str], fragment: str, capsys) -> None:
-    from lab import cli
+    from lab.tools import cli
 
     assert cli.main(["bench", *args]) == 2
     err = capsys.readouterr().err
@@ -128,7 +128,7 @@ def test_theoretical_speedup_and_measured_costs() -> None:
 
 @pytest.mark.embedded
 def test_bench_with_overrides_and_hf_assist_row(embedded) -> None:
-    from lab.bench import HF_ASSIST_ROW, HF_ROW, format_table, run_bench
+    from lab.tools.bench import HF_ASSIST_ROW, HF_ROW, format_table, run_bench
 
     result = run_bench(
         ["greedy", "speculative"],

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 
+from lab.app.builtin_prompts import BUILTIN_PROMPTS
 from lab.params import build_params
-from lab.prompts import BUILTIN_PROMPTS
 from lab.speculative.chain import next_gamma
 from lab.speculative.draft import Draft, DraftContext
 from lab.speculative.params import chain_settings
 from lab.speculative.proposers import ModelProposer, PromptLookupProposer
-from lab.speculative.proposers.ssd import (
+from lab.speculative.schedules.ssd import (
     PROBE,
     Job,
     Speculator,

@@ -9,14 +9,14 @@ from fractions import Fraction
 import pytest
 import torch
 
-from lab import runtime
-from lab.cli import main
+from lab.app.runner import make_generator
+from lab.engine import runtime
+from lab.methods.tot import game24
+from lab.methods.tot.eval import EvalResult, auc, cot_answer_ok, format_table, run_eval
+from lab.methods.tot.lm import CallModel, build_trie
+from lab.methods.tot.search import SearchConfig
 from lab.params import InputError
-from lab.runner import make_generator
-from lab.tot import game24
-from lab.tot.eval import EvalResult, auc, cot_answer_ok, format_table, run_eval
-from lab.tot.lm import CallModel, build_trie
-from lab.tot.search import SearchConfig
+from lab.tools.cli import main
 from lab.trace import RunFinished, ThoughtNode, ThoughtResult, ThoughtStep, TokenEmitted, Trace, from_json, to_json
 from strategies import get_strategy
 from strategies.tot import ToTParams, prompt_text, run
@@ -267,8 +267,8 @@ def test_embedded_model_solves_a_puzzle_with_solver_value(embedded):
 
 def test_vote_and_value_options_are_full_sequences_none_a_prefix_of_another(tiny, monkeypatch):
     """SmolLM2 splits digits: p(" 1") would include " 10" ... " 19", so every scored option ends its line."""
-    from lab.tot.lm import CallModel
-    from lab.tot.prompts import VALUE_WORDS
+    from lab.methods.tot.lm import CallModel
+    from lab.methods.tot.prompts import VALUE_WORDS
 
     seen: list[list[str]] = []
     score_many = CallModel.score_many

@@ -10,10 +10,10 @@ from fractions import Fraction
 import pytest
 import torch
 
+from lab.methods.tot import game24
+from lab.methods.tot.lm import CallModel
+from lab.methods.tot.tasks import Game24, sample_distinct, scored_part
 from lab.params import InputError
-from lab.tot import game24
-from lab.tot.lm import CallModel
-from lab.tot.tasks import Game24, sample_distinct, scored_part
 from tests.tiny import tiny_loaded_model
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lab import runtime
-from lab.tree import build_tree_attention
+from lab.engine import runtime
+from lab.engine.tree_attention import build_tree_attention
 
 PROMPT = [5, 17, 42, 99, 3, 250, 64]
 

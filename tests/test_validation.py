@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lab.params import InputError
-from lab.validation import (
+from lab.app.validation import (
     MAX_PROMPT_CHARS,
     MAX_SEED,
     check_prompt_fits,
@@ -14,6 +13,7 @@ from lab.validation import (
     validate_request,
     validate_seed,
 )
+from lab.params import InputError
 from strategies.greedy import GreedyParams
 from strategies.sample import SampleParams
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lab.models import LoadedModel, wrap_model
+from lab.engine.models import LoadedModel, wrap_model
 
 
 class ByteTokenizer:

@@ -1,7 +1,7 @@
 """The Run tab's "Branch from here" panel: click a token, pick one of its alternatives (or type one), and continue the
 same strategy from that prefix; the branch streams beside the original, and a small tree lists the runs.
 
-Gradio UI code only: the branch point and its events come from `lab.branching`, the model work from the shared lane
+Gradio UI code only: the branch point and its events come from `lab.app.branching`, the model work from the shared lane
 (`ui.common.stream_trace`), the tree from `visualizers.branches`.
 """
 
@@ -12,7 +12,7 @@ import uuid
 
 import gradio as gr
 
-from lab.branching import BranchError, branch_point, tokens_of
+from lab.app.branching import BranchError, branch_point, tokens_of
 from lab.trace import to_json
 from ui.common import (
     LIGHT,

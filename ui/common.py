@@ -16,17 +16,17 @@ from pathlib import Path
 
 import gradio as gr
 
-from lab import threads
-from lab.branching import BranchError, BranchPoint, branch_record
-from lab.models import ModelLoadError
-from lab.pacing import REALTIME, STEP, PaceControl, Pacer, PaceRegistry
+from lab.app.branching import BranchError, BranchPoint, branch_record
+from lab.app.pacing import REALTIME, STEP, PaceControl, Pacer, PaceRegistry
+from lab.app.presets import MODELS
+from lab.app.runner import new_trace, stream_request
+from lab.app.shared_runs import Job, QueueFull, RunHub, Waiting, request_key
+from lab.app.validation import RunRequest, validate_request
+from lab.app.zerogpu import gpu_function, zero_gpu_enabled
+from lab.engine import threads
+from lab.engine.models import ModelLoadError
 from lab.params import DecodeParams, InputError
-from lab.presets import MODELS
-from lab.runner import new_trace, stream_request
-from lab.shared_runs import Job, QueueFull, RunHub, Waiting, request_key
 from lab.trace import TokenEmitted, Trace, TraceError, from_json, summarize, to_json
-from lab.validation import RunRequest, validate_request
-from lab.zerogpu import gpu_function, zero_gpu_enabled
 from strategies import REGISTRY, by_family
 from ui.layout import MAX_FIGURES
 from visualizers import (
@@ -49,14 +49,14 @@ STATE_TTL_S = 3600
 MAX_PARAMS_JSON_CHARS = 10_000
 MAX_UPLOAD = "10mb"
 REPLAY_TICK_S = 0.4
-MODEL_CHOICES = MODELS  # lab.presets: the embedded model and the known draft / target pairs
+MODEL_CHOICES = MODELS  # lab.app.presets: the embedded model and the known draft / target pairs
 TRACE_DIR = Path(tempfile.gettempdir()) / "decoding-lab-traces"
 MAX_TRACE_FILES = 200
 _TRACE_FILES_LOCK = threading.Lock()
 COMMON_DEFAULTS = DecodeParams()
 VIEW_COUNT = 3 + MAX_FIGURES  # token view, figures, stats, text (`view_updates`)
 MODEL_QUEUE = {"concurrency_id": "model", "concurrency_limit": 1, "time_limit": MAX_RUN_SECONDS + 120}
-# Run requests wait inside their handler, in the shared model lane (`lab.shared_runs`), where they see their place
+# Run requests wait inside their handler, in the shared model lane (`lab.app.shared_runs`), where they see their place
 # in line; Gradio admits this many at once (more wait in Gradio's own queue, which shows its position too).
 RUN_QUEUE = {"concurrency_id": "classroom", "concurrency_limit": QUEUE_MAX_SIZE + 8, "time_limit": 3 * MAX_RUN_SECONDS}
 POLL_S = 0.05

@@ -1,6 +1,6 @@
 """The Compare tab: the same prompt and seed through 2-4 strategies (their default parameters), streamed one
 after another into side-by-side columns (token view, speed, acceptance and tau, main view), then a token diff
-of each output against the first and a summary table (`lab.compare`). Clicking a token in any column opens
+of each output against the first and a summary table (`lab.app.compare`). Clicking a token in any column opens
 that run's step in the tab's inspector. The runs share one time budget of MAX_RUN_SECONDS.
 """
 
@@ -10,8 +10,8 @@ import time
 
 import gradio as gr
 
-from lab import compare
-from lab.compare import MAX_COMPARED
+from lab.app import compare
+from lab.app.compare import MAX_COMPARED
 from lab.trace import Trace
 from strategies import REGISTRY
 from ui.common import (

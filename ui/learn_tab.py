@@ -1,11 +1,11 @@
 """The Learn tab: per registered strategy, its explanation, formula (LaTeX), paper and what to watch in its view,
-in English or Chinese (`lab.learn`; the language radio also sets the Measure tab's selection matrix)."""
+in English or Chinese (`lab.app.learn`; the language radio also sets the Measure tab's selection matrix)."""
 
 from __future__ import annotations
 
 import gradio as gr
 
-from lab import learn
+from lab.app import learn
 from strategies import REGISTRY
 from ui.common import LATEX, LIGHT, strategy_choices
 

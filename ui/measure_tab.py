@@ -1,4 +1,4 @@
-"""The Measure tab: `lab.measure` (run_bench on a small subset plus a quality score) on the Run tab's model with a
+"""The Measure tab: `lab.tools.measure` (run_bench on a small subset plus a quality score) on the Run tab's model with a
 progress bar, drawn as a quality-throughput map, acceptance rate vs speedup on the theoretical curves, and a
 selection matrix (`visualizers.measure`). A benchmark holds the model queue for its whole duration."""
 
@@ -8,10 +8,10 @@ import json
 
 import gradio as gr
 
-from lab import learn
-from lab.measure import DEFAULT_LIMIT, DEFAULT_STRATEGIES, DEFAULT_TOKENS, measure
-from lab.models import ModelLoadError
+from lab.app import learn
+from lab.engine.models import ModelLoadError
 from lab.params import InputError
+from lab.tools.measure import DEFAULT_LIMIT, DEFAULT_STRATEGIES, DEFAULT_TOKENS, measure
 from strategies import REGISTRY
 from ui.common import HUB, LIGHT, MEASURE_TIME_LIMIT, STATE_TTL_S, write_trace_file
 from visualizers.measure import acceptance_speedup_figure, quality_throughput_figure, selection_matrix_figure

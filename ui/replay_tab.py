@@ -1,13 +1,13 @@
 """The Replay tab: a trace file (uploaded, a shipped example, or a run of this session's history) replayed step
 by step with every view of its strategy (play / pause / slider), without loading a model. Loading goes through
-`lab.replay.load_trace_file` (size cap, UTF-8, schema validation); a bad file gets a clear message.
+`lab.app.replay.load_trace_file` (size cap, UTF-8, schema validation); a bad file gets a clear message.
 """
 
 from __future__ import annotations
 
 import gradio as gr
 
-from lab import history, replay
+from lab.app import history, replay
 from lab.trace import Trace, TraceError
 from ui.common import (
     LIGHT,

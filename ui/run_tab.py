@@ -10,15 +10,15 @@ import time
 
 import gradio as gr
 
-from lab import replay
-from lab.controls import dependencies, visibility
-from lab.models import EMBEDDED_MODEL
-from lab.pacing import PACES, REALTIME
+from lab.app import replay
+from lab.app.builtin_prompts import BUILTIN_PROMPTS
+from lab.app.controls import dependencies, visibility
+from lab.app.pacing import PACES, REALTIME
+from lab.app.presets import DEFAULTS, preset_values, presets_for
+from lab.app.runner import new_trace
+from lab.engine.models import EMBEDDED_MODEL
+from lab.engine.quant import PRECISIONS
 from lab.params import param_specs
-from lab.presets import DEFAULTS, preset_values, presets_for
-from lab.prompts import BUILTIN_PROMPTS
-from lab.quant import PRECISIONS
-from lab.runner import new_trace
 from strategies import REGISTRY
 from ui.branch_panel import build_branch_panel, wire_branch_panel
 from ui.common import (
@@ -108,7 +108,7 @@ def param_control(spec) -> gr.components.Component:
 
 def build_controls() -> tuple[dict[str, gr.Group], list[tuple[str, str, gr.components.Component]]]:
     """One (hidden unless selected) group of parameter controls per strategy; controls that have no effect
-    under the defaults (lab.controls) start hidden."""
+    under the defaults (lab.app.controls) start hidden."""
     groups, controls = {}, []
     for name, strategy in REGISTRY.items():
         shown = visibility(strategy.Params, {})
@@ -140,7 +140,7 @@ def wire_control_visibility(controls: list[tuple[str, str, gr.components.Compone
 
 
 def build_api_inputs() -> tuple[list[gr.components.Component], gr.Button]:
-    """Hidden, unconstrained inputs of the `/run` endpoint, so every value reaches `lab.validation`."""
+    """Hidden, unconstrained inputs of the `/run` endpoint, so every value reaches `lab.app.validation`."""
     inputs = [
         gr.Textbox(visible=False, label="model"),
         gr.Textbox(visible=False, label="strategy"),

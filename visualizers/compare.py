@@ -1,9 +1,9 @@
 """The compare view's output diff: each run's text against the first run's, as inline HTML.
 
-Covers: `diff_html(base_name, diffs)` where `diffs` maps a run's name to its `lab.compare` diff blocks (any
+Covers: `diff_html(base_name, diffs)` where `diffs` maps a run's name to its `lab.app.compare` diff blocks (any
 objects with op, a_text, b_text): equal text plain, text only in the first run struck through on red, text
 only in the other run on green. All text is HTML-escaped; styles are inline. Not covered: computing the diff
-(lab.compare does, over token ids).
+(lab.app.compare does, over token ids).
 """
 
 from __future__ import annotations

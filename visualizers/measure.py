@@ -1,11 +1,11 @@
-"""The Measure tab's figures, drawn only from measured rows (plain dicts from `lab.measure.measure`).
+"""The Measure tab's figures, drawn only from measured rows (plain dicts from `lab.tools.measure.measure`).
 
 Covers: `quality_throughput_figure` (x = median tokens/s, y = quality = mean log p_target per output token, one
 marker per strategy coloured by family), `acceptance_speedup_figure` (the speculative and multi-token-head rows:
 measured acceptance rate alpha against measured speedup over the first row, on the theoretical curves of
 Leviathan et al. 2023, Eq. 1 / Thm. 3.8: speedup = (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) for each
 measured gamma and a few draft costs c), and `selection_matrix_figure` (a table: problem solved, core
-operation, measured speed, when to use it; the texts come from the caller, e.g. `lab.learn`).
+operation, measured speed, when to use it; the texts come from the caller, e.g. `lab.app.learn`).
 A row without a value (no acceptance rate, no quality) is left out of that figure. Pure plotly.
 """
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from lab.models import LoadedModel
+from lab.engine.models import LoadedModel
 from lab.params import InputError
 
 HEADS_DIR = Path(__file__).resolve().parents[2] / "heads"

@@ -19,7 +19,7 @@ real features instead of keeping the draft entries, so "compacting" the head's c
 
 Deliberate differences from the paper:
 - the head's context starts at the last prompt position (the first pair is (f_last_prompt, x_first_response)),
-  exactly what the self-distillation data stores (`lab.distill`), instead of covering the whole prompt;
+  exactly what the self-distillation data stores (`lab.training.distill`), instead of covering the whole prompt;
 - draft vocabulary V_d (above) instead of the full vocabulary (EAGLE-1) or a trained one (EAGLE-3).
 Not covered: EAGLE-3's multi-layer feature fusion and training-time test, batching several sequences.
 """
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from lab.models import LoadedModel
+from lab.engine.models import LoadedModel
 
 KIND = "eagle"
 

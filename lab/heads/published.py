@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from lab.models import LoadedModel
+from lab.engine.models import LoadedModel
 from lab.params import InputError
 
 LAYOUTS = ("eagle", "eagle3", "speculators-eagle3", "medusa")

@@ -27,11 +27,11 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from lab.engine.models import LoadedModel
 from lab.heads.eagle import EagleHead, build_head
 from lab.heads.eagle3 import Eagle3Head, build_eagle3, default_layer_ids
 from lab.heads.medusa import tune_choices
 from lab.heads.published import Published, check_layer_ids, check_target, load_published, require
-from lab.models import LoadedModel
 from lab.params import InputError
 
 # A generic prior for the candidate tree of heads without tuned accuracies (not measured): P(rank i of draft

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from lab.sampling import SamplingConfig, choose_token
+from lab.engine.sampling import SamplingConfig, choose_token
 from lab.speculative.draft import Draft
 
 RULES = ("greedy", "sample", "typical")

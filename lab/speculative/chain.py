@@ -1,6 +1,6 @@
 """The chain loop: draft a chain, verify it in one target forward, accept, commit, stream. Vanilla speculative
 decoding runs it with the serial schedule; SSD runs the same loop with its speculating schedule
-(`lab.speculative.proposers.ssd.SSDSchedule`): SSD is a scheduling of this loop, not another loop.
+(`lab.speculative.schedules.ssd.SSDSchedule`): SSD is a scheduling of this loop, not another loop.
 
 Each round: 1. the schedule produces the draft (serial: `proposer.propose`; SSD: the speculation cache on a hit)
 and it is cut after its first EOS; 2. the target scores [x_0, x_1..x_gamma] in one forward
@@ -25,10 +25,10 @@ from typing import Protocol
 
 import torch
 
-from lab import runtime
-from lab.models import LoadedModel
-from lab.profile import section
-from lab.sampling import SamplingConfig, choose_token, process_logits
+from lab.engine import runtime
+from lab.engine.models import LoadedModel
+from lab.engine.profile import section
+from lab.engine.sampling import SamplingConfig, choose_token, process_logits
 from lab.speculative.acceptance import Acceptance, accept
 from lab.speculative.draft import Draft, DraftContext, Proposer, Verified
 from lab.speculative.emitter import Emitter, sources_of

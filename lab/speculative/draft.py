@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from lab.sampling import SamplingConfig
+from lab.engine.sampling import SamplingConfig
 
 
 @dataclass(frozen=True)

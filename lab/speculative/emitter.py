@@ -11,8 +11,8 @@ from functools import lru_cache
 
 import torch
 
-from lab.models import LoadedModel
-from lab.text import IncrementalDetokenizer
+from lab.engine.models import LoadedModel
+from lab.engine.text import IncrementalDetokenizer
 from lab.trace import TokenEmitted
 
 TOP_ALTERNATIVES = 8  # per emitted token

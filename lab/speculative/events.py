@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from lab.sampling import SamplingConfig, target_distribution
+from lab.engine.sampling import SamplingConfig, target_distribution
 from lab.speculative.acceptance import Acceptance
 from lab.speculative.draft import Draft
 from lab.trace import DraftRound, TreeRound

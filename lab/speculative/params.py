@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lab.models import LoadedModel
+from lab.engine.models import LoadedModel
+from lab.engine.sampling import SamplingConfig
 from lab.params import DecodeParams, param
-from lab.sampling import SamplingConfig
 from lab.speculative.chain import ChainSettings
 from lab.speculative.draft import Proposer
 from lab.speculative.proposers import DRAFTERS, make_chain_proposer

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lab import runtime
-from lab.models import LoadedModel
-from lab.profile import section
-from lab.sampling import SamplingConfig, choose_token, process_logits
+from lab.engine import runtime
+from lab.engine.models import LoadedModel
+from lab.engine.profile import section
+from lab.engine.sampling import SamplingConfig, choose_token, process_logits
 from lab.speculative.acceptance import accept
 from lab.speculative.draft import DraftContext, Proposer, Verified
 from lab.speculative.emitter import Emitter, sources_of

@@ -7,7 +7,7 @@ n_past + depth (`runtime.verify_tree`, DESIGN.md section 4). The rows go through
 plain sampler: with a repetition penalty, row 1 + i sees the history plus the tokens on the path to node i, which
 is exactly what the plain sampler would see after them. `commit` keeps the root and the accepted path in the
 cache: a crop for chains, `runtime.select` for trees (KV compaction).
-In reduced precision (bf16 / fp16) the forward runs under `lab.invariance.rows_invariant`, so every
+In reduced precision (bf16 / fp16) the forward runs under `lab.engine.invariance.rows_invariant`, so every
 row is computed exactly as a one-token decode step would compute it and greedy verification decides exactly as
 greedy decoding does in the dtype the user runs.
 Not covered: batched verification of several sequences.
@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from lab import runtime
-from lab.invariance import rows_invariant
-from lab.sampling import SamplingConfig, process_logits
+from lab.engine import runtime
+from lab.engine.invariance import rows_invariant
+from lab.engine.sampling import SamplingConfig, process_logits
+from lab.engine.tree_attention import build_tree_attention
 from lab.speculative.acceptance import Acceptance
 from lab.speculative.draft import Draft
-from lab.tree import build_tree_attention
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from lab.app.validation import validate_model_spec
+from lab.engine.models import LoadedModel
 from lab.heads.common import load_heads
-from lab.models import LoadedModel
 from lab.params import InputError
 from lab.speculative.draft import Proposer
 from lab.speculative.proposers.draft_model import ModelProposer, check_same_tokenizer, load_draft_model
 from lab.speculative.proposers.prompt_lookup import PromptLookupProposer
 from lab.speculative.proposers.self_draft import self_draft_proposer
-from lab.validation import validate_model_spec
 
 DRAFTERS = ("prompt-lookup", "self-draft", "model")
 _HEADS: dict[tuple, Any] = {}

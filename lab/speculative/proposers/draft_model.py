@@ -1,14 +1,14 @@
 """Draft-model drafting: a separate causal LM sharing the target's tokenizer drafts the chain (Leviathan et al. 2023).
 
 `ModelProposer` drafts x_1..x_gamma autoregressively from any `LoadedModel`, with its own KV cache: each
-proposal first rolls the cache back to the longest common prefix with the committed tokens (`lab.runtime.crop`)
+proposal first rolls the cache back to the longest common prefix with the committed tokens (`lab.engine.runtime.crop`)
 and feeds the missing tokens in one forward, then runs gamma - 1 decode steps. q_i = the draft's distribution
-after the same logits processors as the target (`lab.sampling.process_logits` and `target_distribution`), and
+after the same logits processors as the target (`lab.engine.sampling.process_logits` and `target_distribution`), and
 x_i is drawn from q_i with the run's generator (Leviathan et al. 2023, Alg. 1, lines 1-3); in greedy mode x_i is
 the argmax, a deterministic draft, so q_draft is None (q one-hot at x_i). The last drafted token is never fed
 to the drafter; the next proposal feeds it if kept. For SSD a context can ask for the top fanout + 1 tokens of
 each q_i (`Draft.top_ids`, ranking the guessed outcomes) and stop early (`should_stop`, polled between forwards).
-`load_draft_model` loads a drafter by id or path through `lab.models.load_model`
+`load_draft_model` loads a drafter by id or path through `lab.engine.models.load_model`
 on the target's device and dtype and refuses one whose tokenizer differs (`check_same_tokenizer`).
 Not covered: drafters with another tokenizer (universal assisted generation).
 """
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from lab import runtime
-from lab.models import DTYPES, LoadedModel, load_model
+from lab.engine import runtime
+from lab.engine.models import DTYPES, LoadedModel, load_model
+from lab.engine.sampling import process_logits, sample, target_distribution
 from lab.params import InputError
-from lab.sampling import process_logits, sample, target_distribution
 from lab.speculative.draft import Draft, DraftContext, Verified, common_prefix_length
 
 SAMPLE_TEXT = "Speculative decoding, 2023: the quick brown fox (x=42) jumps! ¿Qué tal? 東京 ✓\n\tdef f(): return 1"

@@ -13,7 +13,7 @@ import copy
 
 from torch import nn
 
-from lab.models import LoadedModel, wrap_model
+from lab.engine.models import LoadedModel, wrap_model
 from lab.params import InputError
 from lab.speculative.proposers.draft_model import ModelProposer
 

@@ -1,0 +1,67 @@
+"""Run a validated request end to end: load the model, encode the prompt, stream the strategy's events.
+
+The CLI, the app and the benchmark all go through `stream_run`, so they share validation, seeding and the
+model cache. The generator frees the strategy's caches when it is closed early (Stop / cancel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict
+
+import torch
+
+from lab.app.branching import BranchPoint, branch_events
+from lab.app.validation import RunRequest, check_prompt_fits
+from lab.engine.models import LoadedModel, load_model
+from lab.trace import Event, Trace
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    """The explicit RNG of a run (DESIGN.md 5): every random draw of a strategy uses it."""
+    generator = torch.Generator(device="cpu" if device.type == "mps" else device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def prepare(request: RunRequest) -> tuple[LoadedModel, list[int]]:
+    """Load (or reuse) the model and encode the prompt; raises InputError / ModelLoadError."""
+    loaded = load_model(request.model, request.device, request.dtype, request.precision)
+    prompt_ids = loaded.encode(request.prompt, chat=request.chat)
+    check_prompt_fits(loaded, prompt_ids, request.params.max_new_tokens)
+    return loaded, prompt_ids
+
+
+def stream_run(request: RunRequest, loaded: LoadedModel, prompt_ids: list[int]) -> Iterator[Event]:
+    """The strategy's event stream for this request, seeded from the request."""
+    generator = make_generator(request.seed, loaded.device)
+    return request.strategy.run(loaded, prompt_ids, request.params, generator)
+
+
+def stream_request(request: RunRequest, point: BranchPoint | None = None) -> Iterator[Event]:
+    """Load, encode and stream a request; with a branch point, continue from the parent's prefix and the forced
+    token (lab.app.branching) instead of from the prompt."""
+    loaded, prompt_ids = prepare(request)
+    if point is None:
+        yield from stream_run(request, loaded, prompt_ids)
+        return
+    check_prompt_fits(loaded, prompt_ids + list(point.prefix_ids), request.params.max_new_tokens)
+    generator = make_generator(request.seed, loaded.device)
+    yield from branch_events(request.strategy.run, loaded, prompt_ids, request.params, generator, point)
+
+
+def new_trace(request: RunRequest, loaded: LoadedModel | None = None) -> Trace:
+    """An empty trace describing the request (with the resolved dtype and precision once the model is loaded);
+    events are appended as they stream."""
+    trace = Trace(request.strategy.name, request.model, request.prompt, asdict(request.params))
+    if loaded is not None:
+        trace.dtype, trace.precision = str(loaded.dtype).removeprefix("torch."), loaded.precision
+    return trace
+
+
+def run_to_trace(request: RunRequest) -> Trace:
+    """Run a request to the end and return its full trace."""
+    loaded, prompt_ids = prepare(request)
+    trace = new_trace(request, loaded)
+    trace.events.extend(stream_run(request, loaded, prompt_ids))
+    return trace

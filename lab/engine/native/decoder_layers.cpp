@@ -1,0 +1,441 @@
+// The decoder layers of a Llama model for a row-invariant decode step or verify forward, as one C++ call
+// (lab/engine/native_forward.py says when it is used).
+//
+// Each step computes the bits the Python forward (lab/engine/lean_forward.py over transformers' LlamaRMSNorm /
+// LlamaAttention / LlamaMLP, and lab/engine/quant.py's linears) computes: the products and the SiLU as the same ATen
+// calls, the norms and elementwise steps as loops doing ATen's float operations in ATen's order. What goes away
+// is the Python interpreter and most of the ATen calls between the products. The attention is
+// lab/engine/invariance.py's exact_attention computed by one loop per (head, query row) instead of its batched float64
+// products (see exact_attention below for why the results agree).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// How a linear layer multiplies (lab.engine.native_forward.LINEAR_KINDS)
+constexpr int64_t kTwoRowFloat = 0;  // nn.Linear with lab.engine.invariance's 2D / two-row forward: params weight
+constexpr int64_t kInt8 = 1;         // lab.engine.quant.Int8Linear: params qweight, scales
+constexpr int64_t kInt4 = 2;         // lab.engine.quant.Int4Linear: params packed, scales_and_zeros
+constexpr int64_t kGroup = 32;       // lab.engine.quant.GROUP
+
+// A cursor over the flat parameter list and the flat integer spec built by lab.engine.native_forward.
+struct Reader {
+  at::TensorList params;
+  at::IntArrayRef spec;
+  size_t p = 0, s = 0;
+  const at::Tensor& tensor() { return params.at(p++); }
+  int64_t integer() { return spec.at(s++); }
+};
+
+// Reads one linear's spec and parameters and applies it to x [..., K] (returns [..., N]).
+at::Tensor linear(Reader& in, const at::Tensor& x) {
+  const int64_t kind = in.integer(), has_bias = in.integer(), features = in.integer(), out_features = in.integer();
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end() - 1);
+  out_shape.push_back(out_features);
+  at::Tensor flat = x.reshape({-1, features});  // [M, K]
+  at::Tensor y;
+  if (kind == kTwoRowFloat) {
+    const at::Tensor& weight = in.tensor();
+    c10::optional<at::Tensor> bias;
+    if (has_bias) bias = in.tensor();
+    if (flat.size(0) == 1) {
+      y = at::linear(at::cat({flat, flat}), weight, bias).slice(0, 0, 1);
+    } else {
+      y = at::linear(flat, weight, bias);
+    }
+    return y.reshape(out_shape);
+  }
+  const at::Tensor& packed = in.tensor();
+  const at::Tensor& scales = in.tensor();
+  if (flat.scalar_type() != scales.scalar_type()) flat = flat.to(scales.scalar_type());
+  if (!flat.is_contiguous()) flat = flat.contiguous();
+  if (kind == kInt8) {
+    y = at::_weight_int8pack_mm(flat, packed, scales);
+  } else {
+    TORCH_CHECK(kind == kInt4, "unknown linear kind ", kind);
+    y = at::_weight_int4pack_mm_for_cpu(flat, packed, kGroup, scales);
+  }
+  if (has_bias) y = y + in.tensor();
+  return y.reshape(out_shape);
+}
+
+// Reads a group of linears that take the same input: their outputs side by side (one joined product, or the
+// separate products concatenated, as lab.engine.quant.JoinedLinears does).
+at::Tensor joined(Reader& in, const at::Tensor& x) {
+  const int64_t parts = in.integer();
+  if (parts == 1) return linear(in, x);
+  std::vector<at::Tensor> outputs;
+  for (int64_t i = 0; i < parts; ++i) outputs.push_back(linear(in, x));
+  return at::cat(outputs, -1);
+}
+
+// LlamaRMSNorm.forward
+at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
+  const auto input_dtype = hidden.scalar_type();
+  at::Tensor h = hidden.to(at::kFloat);
+  at::Tensor variance = h.pow(2).mean({-1}, /*keepdim=*/true);
+  h = h * at::rsqrt(variance + eps);
+  return weight * h.to(input_dtype);
+}
+
+// ---- Elementwise steps and the norm without an ATen call per op -------------------------------------------------
+// Each function below computes what the ATen ops it replaces compute, bit for bit: reduced-precision values are
+// widened to float, each op is one float operation (compiled with -ffp-contract=off: no fused multiply-adds),
+// and each result ATen would store in bf16 / fp16 is rounded to it (round to nearest even, as ATen's conversion).
+// `lanes` is the width of the float vectors of ATen's sum kernel on this CPU (8 where it runs its AVX2 build,
+// as it does even on AVX-512 CPUs; found by lab.engine.native_forward comparing row_sums with torch.sum; 0: use the
+// ATen ops).
+// They run for bf16 only (the dtype CPU users run; fp16 rows differed from ATen's in the norm in tests, so fp16
+// keeps the ATen ops).
+
+template <typename scalar_t>
+inline float wide(scalar_t x) {
+  return static_cast<float>(x);
+}
+
+template <typename scalar_t>
+inline scalar_t narrow(float x) {
+  return static_cast<scalar_t>(x);  // c10's round-to-nearest-even conversion
+}
+
+// ATen's float sum of a contiguous row (SumKernel's cascade_sum: vectorized_inner_sum over `lanes`-wide vectors,
+// row_sum with four interleaved vector accumulators, multi_row_sum's four levels), so that the same row gives
+// the same float.
+float aten_row_sum(const float* x, int64_t n, int64_t lanes) {
+  if (n < lanes) lanes = 1;  // cascade_sum's scalar_inner_sum: the same row_sum over single floats
+  const int64_t vectors = n / lanes;
+  constexpr int64_t ilp = 4, levels = 4;
+  const int64_t rows = vectors / ilp;  // multi_row_sum over `rows` steps of `ilp` vectors
+  int64_t log2 = 0;
+  while ((int64_t(1) << log2) < rows) ++log2;  // CeilLog2
+  const int64_t power = std::max<int64_t>(4, log2 / levels), step = int64_t(1) << power, mask = step - 1;
+  std::vector<float> acc(levels * ilp * lanes, 0.0f);  // acc[level][k][lane]
+  auto at = [&](int64_t level, int64_t k) { return acc.data() + (level * ilp + k) * lanes; };
+  auto add_vector = [&](float* into, const float* from) {
+    for (int64_t l = 0; l < lanes; ++l) into[l] += from[l];
+  };
+  int64_t i = 0;
+  for (; i + step <= rows;) {
+    for (int64_t j = 0; j < step; ++j, ++i) {
+      for (int64_t k = 0; k < ilp; ++k) add_vector(at(0, k), x + (i * ilp + k) * lanes);
+    }
+    for (int64_t j = 1; j < levels; ++j) {
+      for (int64_t k = 0; k < ilp; ++k) {
+        add_vector(at(j, k), at(j - 1, k));
+        std::fill(at(j - 1, k), at(j - 1, k) + lanes, 0.0f);
+      }
+      if ((i & (mask << (j * power))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i) {
+    for (int64_t k = 0; k < ilp; ++k) add_vector(at(0, k), x + (i * ilp + k) * lanes);
+  }
+  for (int64_t j = 1; j < levels; ++j) {
+    for (int64_t k = 0; k < ilp; ++k) add_vector(at(0, k), at(j, k));
+  }
+  float* partial = at(0, 0);  // row_sum: the vectors left over, then the four accumulators
+  for (int64_t v = rows * ilp; v < vectors; ++v) add_vector(partial, x + v * lanes);
+  for (int64_t k = 1; k < ilp; ++k) add_vector(partial, at(0, k));
+  float total = 0.0f;  // vectorized_inner_sum: the scalar tail, then the lanes in order
+  for (int64_t e = vectors * lanes; e < n; ++e) total += x[e];
+  for (int64_t l = 0; l < lanes; ++l) total += partial[l];
+  return total;
+}
+
+// LlamaRMSNorm.forward: w * bf16(x * rsqrt(mean(x^2) + eps)) with x widened to float (pow(2) is x * x, mean is
+// the cascade sum divided by n, rsqrt is 1 / sqrt).
+template <typename scalar_t>
+at::Tensor rms_norm_rows(const at::Tensor& hidden, const at::Tensor& weight, double eps, int64_t lanes) {
+  const at::Tensor x = hidden.contiguous(), w = weight.contiguous();
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  at::Tensor out = at::empty_like(x);
+  const scalar_t* in = x.data_ptr<scalar_t>();
+  const scalar_t* gain = w.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const float epsilon = static_cast<float>(eps), count = static_cast<float>(n);
+  std::vector<float> widened(n), squares(n);
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* row = in + r * n;
+    for (int64_t j = 0; j < n; ++j) {
+      widened[j] = wide(row[j]);
+      squares[j] = widened[j] * widened[j];
+    }
+    const float variance = aten_row_sum(squares.data(), n, lanes) / count;
+    const float scale = 1.0f / std::sqrt(variance + epsilon);
+    for (int64_t j = 0; j < n; ++j) {
+      o[r * n + j] = narrow<scalar_t>(wide(gain[j]) * wide(narrow<scalar_t>(widened[j] * scale)));
+    }
+  }
+  return out;
+}
+
+// (states * cos) + (rotate_half(states) * sin) for states [B, heads, T, d] (a view), cos / sin [B, T, d]:
+// each product and the sum rounded to the reduced type as ATen's three ops and rotate_half's negation do.
+template <typename scalar_t>
+at::Tensor rotary_rows(const at::Tensor& states, const at::Tensor& cos, const at::Tensor& sin) {
+  const at::Tensor x = states.contiguous(), c = cos.contiguous(), s = sin.contiguous();
+  const int64_t batch = x.size(0), heads = x.size(1), tokens = x.size(2), dim = x.size(3), half = dim / 2;
+  at::Tensor out = at::empty_like(x);
+  const scalar_t* in = x.data_ptr<scalar_t>();
+  const scalar_t* cp = c.data_ptr<scalar_t>();
+  const scalar_t* sp = s.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        const scalar_t* row = in + ((b * heads + h) * tokens + t) * dim;
+        const scalar_t* cr = cp + (b * tokens + t) * dim;
+        const scalar_t* sr = sp + (b * tokens + t) * dim;
+        scalar_t* orow = o + ((b * heads + h) * tokens + t) * dim;
+        for (int64_t j = 0; j < dim; ++j) {
+          const float rotated = j < half ? -wide(row[j + half]) : wide(row[j - half]);
+          const scalar_t first = narrow<scalar_t>(wide(row[j]) * wide(cr[j]));
+          const scalar_t second = narrow<scalar_t>(rotated * wide(sr[j]));
+          orow[j] = narrow<scalar_t>(wide(first) + wide(second));
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// a + b or a * b of two same-shaped reduced-precision tensors, rounded once (ATen's add / mul)
+template <typename scalar_t, bool multiply>
+at::Tensor combine_rows(const at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor x = a.contiguous(), y = b.contiguous();
+  at::Tensor out = at::empty_like(x);
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* yp = y.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t n = x.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    o[i] = narrow<scalar_t>(multiply ? wide(xp[i]) * wide(yp[i]) : wide(xp[i]) + wide(yp[i]));
+  }
+  return out;
+}
+
+// transformers' rotate_half: cat(-x2, x1) over the last dimension
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  at::Tensor x1 = x.slice(-1, 0, half);
+  at::Tensor x2 = x.slice(-1, half, std::numeric_limits<int64_t>::max());
+  return at::cat({-x2, x1}, -1);
+}
+
+// aten_row_sum of each row of a float [R, n] tensor (for lab.engine.native_forward's check of `lanes` against ATen)
+at::Tensor row_sums(const at::Tensor& x, int64_t lanes) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && lanes > 0, "row_sums: float [R, n], lanes > 0");
+  const at::Tensor c = x.contiguous();
+  at::Tensor out = at::empty({c.size(0)}, c.options());
+  for (int64_t r = 0; r < c.size(0); ++r) {
+    out.data_ptr<float>()[r] = aten_row_sum(c.data_ptr<float>() + r * c.size(1), c.size(1), lanes);
+  }
+  return out;
+}
+
+// The steps of a layer: the loops above when `lanes` is known and the dtypes agree, else the ATen ops.
+at::Tensor norm_step(const at::Tensor& hidden, const at::Tensor& weight, double eps, int64_t lanes) {
+  if (lanes == 0 || hidden.scalar_type() != at::kBFloat16 || weight.scalar_type() != at::kBFloat16) {
+    return rms_norm(hidden, weight, eps);
+  }
+  at::Tensor out;
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(hidden.scalar_type(), "rms_norm", [&] {
+    out = rms_norm_rows<scalar_t>(hidden, weight, eps, lanes);
+  });
+  return out;
+}
+
+at::Tensor rotary_step(const at::Tensor& states, const at::Tensor& cos, const at::Tensor& sin, int64_t lanes) {
+  if (lanes == 0 || states.scalar_type() != at::kBFloat16 || cos.scalar_type() != at::kBFloat16 ||
+      sin.scalar_type() != at::kBFloat16) {
+    return (states * cos.unsqueeze(1)) + (rotate_half(states) * sin.unsqueeze(1));
+  }
+  at::Tensor out;
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(states.scalar_type(), "rotary", [&] { out = rotary_rows<scalar_t>(states, cos, sin); });
+  return out;
+}
+
+template <bool multiply>
+at::Tensor combine_step(const at::Tensor& a, const at::Tensor& b, int64_t lanes) {
+  if (lanes == 0 || a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16 || a.sizes() != b.sizes()) {
+    return multiply ? a * b : a + b;
+  }
+  at::Tensor out;
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(a.scalar_type(), "combine", [&] { out = combine_rows<scalar_t, multiply>(a, b); });
+  return out;
+}
+
+// lab.engine.invariance.exact_attention's number, softmax(q k^T * scaling) v in float64 rounded back once, with the
+// same-valued steps: scores are exact float64 sums of exact products of the reduced-precision inputs (any order
+// gives the same number, so the loop below gives the bits of exact_attention's batched product), the softmax is
+// ATen's float64 softmax over the same [kv_heads, shared * T, S] scores, and each row's weighted sum of values
+// adds its visible keys in order in float64 (exact_attention's batched product adds in another order: the
+// results differ only where that ~1e-16 relative difference lands on a bf16 rounding boundary; its docstring
+// gives the odds), then rounds double -> float -> bf16 / fp16 as ATen's conversion does. A row's loop does not
+// depend on the other rows or on masked keys (they have weight exactly 0 and add nothing).
+// query [1, heads, T, d], key / value [1, kv_heads, S, d], hidden_keys [T, S] bool; returns [1, T, heads, d].
+template <typename scalar_t>
+at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          const bool* hidden, double scaling) {
+  const int64_t heads = query.size(1), rows = query.size(2), dim = query.size(3);
+  const int64_t kv_heads = key.size(1), keys = key.size(2), shared = heads / kv_heads;
+  // keys and values widened once (exact), not once per query row
+  const at::Tensor qc = query.contiguous();
+  const at::Tensor kc = key.to(at::kDouble).contiguous(), vc = value.to(at::kDouble).contiguous();
+  const scalar_t* q = qc.data_ptr<scalar_t>();
+  const double* k = kc.data_ptr<double>();
+  const double* v = vc.data_ptr<double>();
+  // task = one (query head, row): kv * shared * T + i, query head h = kv * shared + i / T, row t = i % T (the
+  // layout of exact_attention's scores [kv_heads, shared * T, S])
+  struct Task {
+    int64_t kv, h, t;
+  };
+  auto task_of = [&](int64_t task) {
+    const int64_t kv = task / (shared * rows), i = task % (shared * rows);
+    return Task{kv, kv * shared + i / rows, i % rows};
+  };
+  at::Tensor scores = at::empty({kv_heads, shared * rows, keys}, query.options().dtype(at::kDouble));
+  double* score_data = scores.data_ptr<double>();
+  at::parallel_for(0, kv_heads * shared * rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> query_row(dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const auto [kv, h, t] = task_of(task);
+      const scalar_t* q_row = q + (h * rows + t) * dim;
+      for (int64_t j = 0; j < dim; ++j) query_row[j] = wide(q_row[j]);  // exact
+      const double* qd = query_row.data();
+      const double* k_head = k + kv * keys * dim;
+      double* out = score_data + task * keys;
+      const bool* hidden_row = hidden == nullptr ? nullptr : hidden + t * keys;
+      int64_t s = 0;
+      for (; s + 4 <= keys; s += 4) {  // four keys at a time: four independent sums keep the FMA units busy
+        const double *k0 = k_head + s * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
+        double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int64_t j = 0; j < dim; ++j) {
+          s0 += qd[j] * k0[j];
+          s1 += qd[j] * k1[j];
+          s2 += qd[j] * k2[j];
+          s3 += qd[j] * k3[j];
+        }
+        out[s] = s0, out[s + 1] = s1, out[s + 2] = s2, out[s + 3] = s3;
+      }
+      for (; s < keys; ++s) {
+        const double* k_row = k_head + s * dim;
+        double score = 0;
+#pragma omp simd reduction(+ : score)
+        for (int64_t j = 0; j < dim; ++j) score += qd[j] * k_row[j];
+        out[s] = score;
+      }
+      for (s = 0; s < keys; ++s) {
+        out[s] = (hidden_row != nullptr && hidden_row[s]) ? -std::numeric_limits<double>::infinity()
+                                                          : out[s] * scaling;
+      }
+    }
+  });
+  const at::Tensor weights = at::softmax(scores, -1);
+  const double* weight_data = weights.data_ptr<double>();
+  at::Tensor out = at::empty({1, rows, heads, dim}, query.options());
+  scalar_t* out_data = out.data_ptr<scalar_t>();
+  at::parallel_for(0, kv_heads * shared * rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> acc(dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const auto [kv, h, t] = task_of(task);
+      const double* w = weight_data + task * keys;
+      const double* v_head = v + kv * keys * dim;
+      double* a = acc.data();
+      std::fill(a, a + dim, 0.0);
+      for (int64_t s = 0; s < keys; ++s) {
+        if (w[s] == 0) continue;  // a masked key (or an underflowed weight) adds exactly nothing
+        const double* v_row = v_head + s * dim;
+        const double weight = w[s];
+#pragma omp simd
+        for (int64_t j = 0; j < dim; ++j) a[j] += weight * v_row[j];
+      }
+      scalar_t* o = out_data + (t * heads + h) * dim;
+      for (int64_t j = 0; j < dim; ++j) o[j] = static_cast<scalar_t>(static_cast<float>(a[j]));
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+at::Tensor exact_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           const c10::optional<at::Tensor>& hidden_keys, double scaling) {
+  TORCH_CHECK(query.dim() == 4 && query.size(0) == 1 && key.size(0) == 1, "exact_attention: one sequence");
+  TORCH_CHECK(query.size(1) % key.size(1) == 0, "exact_attention: query heads are a multiple of kv heads");
+  at::Tensor hidden;
+  if (hidden_keys.has_value()) {
+    hidden = hidden_keys->to(at::kBool).contiguous();
+    TORCH_CHECK(hidden.size(0) == query.size(2) && hidden.size(1) == key.size(2), "exact_attention: mask [T, S]");
+  }
+  const bool* hidden_data = hidden.defined() ? hidden.data_ptr<bool>() : nullptr;
+  at::Tensor out;
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(query.scalar_type(), "exact_attention", [&] {
+    out = attention_rows<scalar_t>(query, key, value, hidden_data, scaling);
+  });
+  return out;
+}
+
+// hidden [1, T, H] (the embeddings); per layer the past keys / values [1, kv_heads, P, d]; cos / sin [1, T, d];
+// hidden_keys [T, P + T] bool or None (lab.engine.invariance._hidden_keys). Returns the final-norm hidden states, each
+// layer's keys and values with the T new positions appended, and (when record) each layer's output.
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder_layers(
+    const at::Tensor& embeds, at::TensorList past_keys, at::TensorList past_values, const at::Tensor& cos,
+    const at::Tensor& sin, const c10::optional<at::Tensor>& hidden_keys, at::TensorList params,
+    at::IntArrayRef spec, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling, double eps,
+    bool record, int64_t lanes) {
+  Reader in{params, spec};
+  const int64_t layers = static_cast<int64_t>(past_keys.size());
+  const int64_t batch = embeds.size(0), tokens = embeds.size(1);
+  const int64_t rotated = heads + kv_heads;  // query heads, then key heads, then value heads
+  std::vector<at::Tensor> keys, values, recorded;
+  at::Tensor hidden = embeds;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor& input_norm = in.tensor();
+    const at::Tensor& post_norm = in.tensor();
+    // attention (LlamaAttention.forward at inference, as lab.engine.lean_forward._attention)
+    at::Tensor normed = norm_step(hidden, input_norm, eps, lanes);
+    at::Tensor states = joined(in, normed).view({batch, tokens, -1, head_dim}).transpose(1, 2);
+    at::Tensor qk = states.slice(1, 0, rotated);
+    at::Tensor query_key = rotary_step(qk, cos, sin, lanes);
+    at::Tensor query = query_key.slice(1, 0, heads);
+    at::Tensor key = query_key.slice(1, heads, std::numeric_limits<int64_t>::max());
+    at::Tensor value = states.slice(1, rotated, std::numeric_limits<int64_t>::max());
+    keys.push_back(at::cat({past_keys[l], key}, -2));
+    values.push_back(at::cat({past_values[l], value}, -2));
+    at::Tensor attended = exact_attention(query, keys.back(), values.back(), hidden_keys, scaling);
+    hidden = combine_step<false>(hidden, linear(in, attended.reshape({batch, tokens, -1}).contiguous()), lanes);
+    // MLP (LlamaMLP.forward with SiLU, as lab.engine.lean_forward._mlp)
+    at::Tensor mlp_in = norm_step(hidden, post_norm, eps, lanes);
+    at::Tensor gate_up = joined(in, mlp_in);
+    const int64_t intermediate = in.integer();  // the gate's output size
+    std::vector<at::Tensor> halves = gate_up.split_with_sizes({intermediate, gate_up.size(-1) - intermediate}, -1);
+    hidden = combine_step<false>(hidden, linear(in, combine_step<true>(at::silu(halves[0]), halves[1], lanes)), lanes);
+    if (record) recorded.push_back(hidden);
+  }
+  const at::Tensor& final_norm = in.tensor();
+  TORCH_CHECK(in.p == params.size() && in.s == spec.size(), "decoder_layers: spec and parameters disagree");
+  return {norm_step(hidden, final_norm, eps, lanes), keys, values, recorded};
+}
+
+TORCH_LIBRARY(decoding_lab, m) {
+  m.def(
+      "decoder_layers(Tensor embeds, Tensor[] past_keys, Tensor[] past_values, Tensor cos, Tensor sin, "
+      "Tensor? hidden_keys, Tensor[] params, int[] spec, int heads, int kv_heads, int head_dim, float scaling, "
+      "float eps, bool record, int lanes) -> (Tensor, Tensor[], Tensor[], Tensor[])",
+      &decoder_layers);
+  m.def("row_sums(Tensor x, int lanes) -> Tensor", &row_sums);
+  m.def("rms_norm(Tensor hidden, Tensor weight, float eps, int lanes) -> Tensor", &norm_step);
+  m.def("rotary(Tensor states, Tensor cos, Tensor sin, int lanes) -> Tensor", &rotary_step);
+  m.def("exact_attention(Tensor query, Tensor key, Tensor value, Tensor? hidden_keys, float scaling) -> Tensor",
+        &exact_attention);
+}

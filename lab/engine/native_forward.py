@@ -1,0 +1,252 @@
+"""The decoder layers of a row-invariant Llama forward as one C++ call (issue 17: per-step overhead).
+
+After `lab.engine.lean_forward`, a decode step of the embedded model still runs about a hundred small tensor ops per
+layer from Python, and the interpreter between them costs more than the matrix products. For the forwards
+that decide what lossless decoding emits on a CPU (one-token steps, and verify forwards under
+`lab.engine.invariance.rows_invariant`, of a batch of one, in bf16 / fp16 with `lab.engine.invariance`'s row-invariant
+attention), `lab/engine/native/decoder_layers.cpp` runs the 30 layers and the final norm as one call of a PyTorch
+custom op. Its steps compute the bits the Python forward computes (transformers' `LlamaRMSNorm`,
+`LlamaAttention` and `LlamaMLP` as `lab.engine.lean_forward` runs them, `lab.engine.quant`'s linears): the products and
+the SiLU are the same ATen calls with the same arguments; the norms, the rotary embedding, the residual adds and
+gate * up are the op's own loops doing ATen's float operations in ATen's order (the norm's sum emulates ATen's
+cascade sum in the vector width `lanes()` finds on this CPU by comparing with `torch.sum`; where none matches,
+and for fp16, those steps stay ATen calls). The attention is `lab.engine.invariance.exact_attention`'s float64
+attention computed by one loop per (head, query row): the same exact float64 scores, ATen's softmax, and a
+weighted sum of values in another order than the batched product, so its bf16 outputs equal
+`exact_attention`'s except where a ~1e-16 relative difference lands on a rounding boundary (the odds
+`exact_attention`'s docstring gives; none seen in the tests). Each row's loop is the same whatever the row
+count, so a verify row equals the decode step of its path bit for bit. Logits, hidden states and cache are
+tested equal to the Python loop's and to `model(...)`'s on tiny models at every precision and on the embedded
+model. The embedding, the causal mask, the rotary table, the hidden-key mask and the LM head stay in Python,
+once per forward.
+
+The op is compiled from `lab/engine/native/decoder_layers.cpp` with `torch.utils.cpp_extension` (a C++ compiler and
+ninja; about 20 s on two cores, cached under `TORCH_EXTENSIONS_DIR`): `python -m lab.engine.native_forward` builds it
+ahead of time (the Makefile's install and the bench do); otherwise the first forward that could use it starts
+the build in the background and forwards keep the Python loop until it is ready. Without a compiler, or when
+the build fails, they keep it for good, after one warning. `DECODING_LAB_NATIVE_FORWARD=0` turns the op off.
+Prefill, batched forwards, float32 and CUDA models, and models with other modules (adapters, other linears)
+keep `lab.engine.lean_forward`'s Python loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.activations import SiLUActivation
+from transformers.cache_utils import DynamicLayer
+
+from lab.engine import invariance
+from lab.engine.quant import Int4Linear, Int8Linear, joined_linears
+
+SWITCH = "DECODING_LAB_NATIVE_FORWARD"  # "0" keeps every forward on lab.engine.lean_forward's Python loop
+SOURCE = Path(__file__).with_name("native") / "decoder_layers.cpp"
+EXTENSION = "decoding_lab_native"
+LINEAR_KINDS = {"two-row float": 0, "int8": 1, "int4": 2}  # decoder_layers.cpp's kTwoRowFloat, kInt8, kInt4
+# the attention loop's vector instructions, from the capability PyTorch itself detected on this CPU
+_VECTOR_CAPABILITIES = ("AVX2", "AVX512")
+_VECTOR_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
+_LANE_CANDIDATES = (8, 16, 4)  # Vectorized<float>::size() of ATen's AVX2, AVX-512 and 128-bit kernels
+_log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet
+_building = False
+
+
+@cache
+def lanes() -> int:
+    """The vector width in which ATen's float sum adds on this CPU, found by comparing the op's emulation of that
+    sum (`row_sums`) with `torch.sum` on random rows of several lengths and scales (a build's sum kernel need
+    not be the width the CPU reports: an AVX-512 machine can run the AVX2 kernels). 0 when no width matches:
+    the op then runs the norms and elementwise steps as ATen ops instead of its own loops."""
+    if not build():
+        return 0
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for features in (7, 100, 576, 1536, 4096, 18432):
+        for scale in (0.01, 1.0, 300.0):
+            rows.append((torch.randn(8, features, generator=generator) * scale).pow(2))
+    for width in _LANE_CANDIDATES:
+        if all(torch.equal(torch.ops.decoding_lab.row_sums(x, width), x.sum(-1)) for x in rows):
+            return width
+    _log.warning("no vector width reproduces ATen's float sum on this CPU; the op uses ATen's ops for the norms")
+    return 0
+
+
+def enabled() -> bool:
+    """Whether CPU forwards will use the op: the switch is on and the op builds (waits for the build)."""
+    return os.environ.get(SWITCH, "1") != "0" and build()
+
+
+def available() -> bool:
+    """Whether the op can run now; the first call starts building it in the background (forwards keep the
+    Python loop until it is ready, so no request waits for the compiler)."""
+    global _building
+    if _loaded is None and not _building:
+        _building = True
+        threading.Thread(target=build, name="native-decoder-build", daemon=True).start()
+    return bool(_loaded)
+
+
+def build(verbose: bool = False) -> bool:
+    """Compile (or load the cached build of) the op; True when `torch.ops.decoding_lab.decoder_layers` exists."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            try:
+                from torch.utils.cpp_extension import load
+
+                flags = ["-O3", "-ffp-contract=off", "-fopenmp-simd"]
+                if torch.backends.cpu.get_cpu_capability() in _VECTOR_CAPABILITIES:
+                    flags += _VECTOR_FLAGS
+                load(EXTENSION, [str(SOURCE)], extra_cflags=flags, is_python_module=False, verbose=verbose)
+                _loaded = hasattr(torch.ops.decoding_lab, "decoder_layers")
+            except Exception as error:  # no compiler, no ninja, a failed build: the Python loop still runs
+                _log.warning("native decoder layers unavailable (%s); using the Python forward", error)
+                _loaded = False
+        return _loaded
+
+
+def _linear(module: nn.Module, params: list, spec: list) -> bool:
+    """Append one linear's parameters and [kind, has bias, in, out]; False for a module the op does not run."""
+    if isinstance(module, Int8Linear) and type(module) is Int8Linear:
+        kind, tensors = "int8", [module._buffers["qweight"], module._buffers["scales"]]
+    elif isinstance(module, Int4Linear) and type(module) is Int4Linear:
+        kind, tensors = "int4", [module._buffers["packed"], module._buffers["scales_and_zeros"]]
+    elif type(module) is nn.Linear and getattr(module.__dict__.get("forward"), "__func__", None) is (
+        invariance._two_row_forward
+    ):
+        kind, tensors = "two-row float", [module.weight]
+    else:
+        return False
+    bias = module.bias
+    params.extend(tensors if bias is None else [*tensors, bias])
+    spec.extend([LINEAR_KINDS[kind], bias is not None, module.in_features, module.out_features])
+    return True
+
+
+def _group(owner: nn.Module, names: tuple[str, ...], params: list, spec: list) -> bool:
+    group = joined_linears(owner, names)
+    parts = group.parts if group.joined is None else (group.joined,)
+    spec.append(len(parts))
+    return all(_linear(part, params, spec) for part in parts)
+
+
+@dataclass
+class _Plan:
+    """The flat parameter list and integer spec `decoder_layers` reads, and the modules they were read from."""
+
+    sources: tuple
+    params: list
+    spec: list
+    eps: float
+
+
+def _sources(model) -> tuple:
+    """The objects whose identity the plan depends on (a replaced module or norm weight means a new plan)."""
+    out = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.o_proj, mlp.down_proj]
+        out += [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj, mlp.act_fn]
+    out.append(model.model.norm.weight)
+    return tuple(out)
+
+
+def _build_plan(model, sources: tuple) -> _Plan | None:
+    decoder = model.model
+    eps = decoder.norm.variance_epsilon
+    params: list = []
+    spec: list = []
+    for layer in decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(mlp.act_fn) not in (SiLUActivation, nn.SiLU):
+            return None
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(norm.variance_epsilon != eps for norm in norms):
+            return None
+        params += [norm.weight for norm in norms]
+        if not _group(attn, ("q_proj", "k_proj", "v_proj"), params, spec) or not _linear(attn.o_proj, params, spec):
+            return None
+        if not _group(mlp, ("gate_proj", "up_proj"), params, spec):
+            return None
+        spec.append(mlp.gate_proj.out_features)
+        if not _linear(mlp.down_proj, params, spec):
+            return None
+    params.append(decoder.norm.weight)
+    return _Plan(sources, params, [int(v) for v in spec], float(eps))
+
+
+def _plan(model) -> _Plan | None:
+    sources = _sources(model)
+    plan = model.__dict__.get("_lab_native_plan")
+    stale = plan is None or len(plan.sources) != len(sources)
+    if stale or any(a is not b for a, b in zip(plan.sources, sources, strict=True)):
+        plan = _build_plan(model, sources) or _Plan(sources, [], [], 0.0)  # an empty plan: unsupported
+        model.__dict__["_lab_native_plan"] = plan
+    return plan if plan.params else None
+
+
+def _takes(model, embeds: torch.Tensor, cache) -> bool:
+    """Whether this forward is one the op computes exactly (module docstring)."""
+    batch, tokens = embeds.shape[:2]
+    if batch != 1 or embeds.device.type != "cpu" or embeds.dtype not in invariance.REDUCED:
+        return False
+    if tokens > 1 and not invariance._ROWWISE.get():
+        return False  # prefill and unconstrained multi-token forwards take SDPA
+    if model.config._attn_implementation != invariance.ATTENTION or not getattr(model, "_lab_rows_invariant", False):
+        return False
+    if type(cache) is not DynamicCache or cache.offloading or len(cache.layers) != len(model.model.layers):
+        return False
+    return all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers)
+
+
+def decoder_layers(model, embeds, cache, position_embeddings, mask, record: bool):
+    """(final-norm hidden states [1, T, H], per-layer outputs or None) with `cache` extended, or None when this
+    forward is not one the op takes (the caller runs the Python loop)."""
+    if os.environ.get(SWITCH, "1") == "0" or not _takes(model, embeds, cache) or not available():
+        return None
+    plan = _plan(model)
+    if plan is None:
+        return None
+    attn = model.model.layers[0].self_attn
+    config = model.config
+    tokens = embeds.shape[1]
+    hidden_keys = invariance._hidden_keys(mask, tokens, cache.get_seq_length() + tokens)
+    cos, sin = position_embeddings
+    layers = cache.layers
+    normed, keys, values, recorded = torch.ops.decoding_lab.decoder_layers(
+        embeds,
+        [layer.keys for layer in layers],
+        [layer.values for layer in layers],
+        cos,
+        sin,
+        hidden_keys,
+        plan.params,
+        plan.spec,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        attn.head_dim,
+        float(attn.scaling),
+        plan.eps,
+        record,
+        lanes(),
+    )
+    for layer, key, value in zip(layers, keys, values, strict=True):
+        layer.keys, layer.values = key, value
+    return normed, (recorded if record else None)
+
+
+if __name__ == "__main__":  # `python -m lab.engine.native_forward`: build the op ahead of first use
+    ok = build(verbose="-v" in sys.argv)
+    print("native decoder layers:", "built" if ok else "unavailable (the Python forward will be used)")
+    sys.exit(0 if ok else 1)

@@ -1,0 +1,346 @@
+"""Weight-only low-bit linears for CPU decoding: int8 per output channel and 4-bit groups (issue 17).
+
+A decode step of a small model reads every weight once, so its time is bytes over memory bandwidth; storing
+the weights in fewer bits and multiplying them with PyTorch's CPU kernels cuts those bytes:
+- `Int8Linear`: w = s_n q_nk with q in [-127, 127] and one scale per output channel (absmax / 127), computed by
+  `torch._weight_int8pack_mm` (activations stay in the run's dtype).
+- `Int4Linear`: GGUF Q4_1 groups of 32 along the input dimension, w = d q + m with q in [0, 15] and one scale d
+  and minimum m per group (ggml's `block_q4_1`), computed by `torch._weight_int4pack_mm_for_cpu`, whose
+  dequantization is (q - 8) s + z, so s = d and z = m + 8 d.
+- `quantize_model(model, precision, gguf_path)`: replaces the decoder layers' linears and the LM head in place.
+  With a GGUF file whose linears are Q4_1 (the embedded model), int4 takes the file's own blocks (the same
+  weights the file holds, no second rounding); otherwise the groups are quantized from the float weights with
+  ggml's Q4_1 rule (d = (max - min) / 15, m = min, q = round((w - m) / d)). The LM head goes to int8 per
+  channel at both precisions (the embedded file stores it as Q8_0, finer than 4 bits). Weight tying is kept
+  working: the input embedding is a separate module and keeps its own float weight for the lookup.
+- `resolve_precision("auto", ...)`: bf16 (no weight quantization) on CUDA and MPS; on CPU the fastest of the
+  three by a one-off measurement of a decode-shaped product, like the dtype (`lab.engine.models`).
+Hidden states, norms, attention and the embedding are untouched, so early exits (DoLa) and the draft heads
+(EAGLE, Medusa, MTPC) see the same kind of tensors at every precision; a quantized module's `weight` property
+dequantizes on demand for code that reads the matrix (the heads' LM-head rows).
+Not covered: activation quantization, GPU kernels (CUDA keeps bf16), quantizing the draft heads, layers whose
+shapes the 4-bit kernel refuses (output features not divisible by 16 or input features by the group) take int8.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+import types
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+PRECISIONS = ("auto", "bf16", "int8", "int4")
+GROUP = 32  # ggml's QK4_1: weights per Q4_1 block
+# `_convert_weight_to_int4pack_for_cpu` interleaves output channels in blocks of 64 (a last, partial block packs
+# differently), so packed weights can be stacked only after parts whose output sizes are multiples of 64
+INT4_PACK_BLOCK = 64
+Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
+LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+GGUF_NAMES |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+@dataclass(frozen=True)
+class Q4Groups:
+    """Asymmetric 4-bit groups of one [N, K] matrix: w[n, g*32 + j] = d[n, g] q[n, g*32 + j] + m[n, g]."""
+
+    q: torch.Tensor  # [N, K] int32 in [0, 15]
+    d: torch.Tensor  # [N, K / 32] float32
+    m: torch.Tensor  # [N, K / 32] float32
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        groups = self.q.float().reshape(n, k // GROUP, GROUP)
+        return (self.d[..., None] * groups + self.m[..., None]).reshape(n, k)  # [N, K]
+
+
+def q4_from_weight(weight: torch.Tensor) -> Q4Groups:
+    """ggml's reference Q4_1 quantization (quantize_row_q4_1_ref) of a float [N, K] matrix."""
+    n, k = weight.shape
+    groups = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    d = (high - low) / 15
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = ((groups - low[..., None]) * inverse[..., None] + 0.5).floor().clamp(0, 15)
+    return Q4Groups(q.to(torch.int32).reshape(n, k), d, low)
+
+
+def q4_from_gguf_blocks(raw: np.ndarray, n: int, k: int) -> Q4Groups:
+    """Parse GGUF Q4_1 bytes ([N, K/32 * 20] uint8, rows of `block_q4_1 {half d; half m; uint8 qs[16]}`):
+    element j of a block is the low nibble of qs[j], element j + 16 the high nibble (ggml dequantize_row_q4_1)."""
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // GROUP, Q4_1_BLOCK_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 4:]  # [N, K/32, 16]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+    return Q4Groups(torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d), torch.from_numpy(m))
+
+
+def permute_rows_like_hf(groups: Q4Groups, heads: int) -> Q4Groups:
+    """Undo llama.cpp's rotary row permutation of attn_q / attn_k as transformers' GGUF loader does (rows
+    [head, dim/2, 2] read as [head, 2, dim/2]). Blocks run along K, so permuting rows keeps them whole."""
+    n = groups.q.shape[0]
+    order = torch.arange(n).reshape(heads, n // heads // 2, 2).transpose(1, 2).reshape(n)
+    return Q4Groups(groups.q[order], groups.d[order], groups.m[order])
+
+
+def _activations(x: torch.Tensor, features: int, dtype: torch.dtype) -> torch.Tensor:
+    """x as the contiguous [M, K] matrix in `dtype` that the low-bit kernels take (no copy when it already is)."""
+    flat = x.reshape(-1, features)
+    if flat.dtype != dtype:
+        flat = flat.to(dtype)
+    return flat if flat.is_contiguous() else flat.contiguous()
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W stored as int8 per output channel (`torch._weight_int8pack_mm`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        scales = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # [N]
+        self.register_buffer("qweight", (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized matrix [N, K] (for code that reads the weights, e.g. the heads' LM-head rows)."""
+        return self.qweight.to(self.scales.dtype) * self.scales[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers  # direct reads: a decode step makes ~150 of these calls (issue 17, overhead)
+        scales, bias = buffers["scales"], buffers["bias"]
+        flat = _activations(x, self.in_features, scales.dtype)  # [M, K]
+        y = torch._weight_int8pack_mm(flat, buffers["qweight"], scales)  # [M, N]
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W as 4-bit groups of 32 (Q4_1), `torch._weight_int4pack_mm_for_cpu`."""
+
+    def __init__(self, groups: Q4Groups, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        n, k = groups.q.shape
+        zeros = groups.m + 8 * groups.d  # the kernel dequantizes (q - 8) s + z
+        scales_and_zeros = torch.stack([groups.d, zeros], -1).transpose(0, 1).contiguous()  # [K/32, N, 2]
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(groups.q.contiguous(), 1))
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        self.in_features, self.out_features = k, n
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized matrix [N, K], computed by the kernel itself on an identity input."""
+        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype, device=self.packed.device)
+        return torch._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_and_zeros).T.contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        scales_and_zeros, bias = buffers["scales_and_zeros"], buffers["bias"]
+        flat = _activations(x, self.in_features, scales_and_zeros.dtype)  # [M, K]
+        y = torch._weight_int4pack_mm_for_cpu(flat, buffers["packed"], GROUP, scales_and_zeros)  # [M, N]
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def concatenate(linears: list[nn.Module]) -> nn.Module | None:
+    """One linear whose output is the outputs of `linears` (same input size, same type) side by side, or None
+    when they cannot be joined (mixed types or biases, float32 or GPU float weights).
+
+    `lab.engine.lean_forward` runs q / k / v and gate / up this way: one kernel call instead of three or two. The
+    weights are stacked along the output dimension, and each output column of these kernels is its own dot
+    product over the input, so every output equals the separate product's bit for bit (tested on the
+    embedded model's shapes and on tiny models). Packed 4-bit parts join only after parts whose output size is
+    a multiple of `INT4_PACK_BLOCK`. The float case is restricted to reduced precision on a CPU,
+    where that equality was measured; float32 and CUDA keep separate products."""
+    kinds = {type(m) for m in linears}
+    biases = {m.bias is None for m in linears}
+    if len(kinds) != 1 or len(biases) != 1 or len({m.in_features for m in linears}) != 1:
+        return None
+    first, kind = linears[0], kinds.pop()
+    bias = None if first.bias is None else torch.cat([m.bias for m in linears])
+    if kind is Int4Linear:
+        if any(m.out_features % INT4_PACK_BLOCK for m in linears[:-1]):
+            return None  # a part ending in a partial block of the packed layout would shift the next part
+        joined = copy.copy(first)  # module attributes shared; buffers replaced below
+        joined._buffers = {
+            "packed": torch.cat([m.packed for m in linears]),  # [N, K / 2] per part
+            "scales_and_zeros": torch.cat([m.scales_and_zeros for m in linears], 1),  # [K / 32, N, 2]
+            "bias": bias,
+        }
+    elif kind is Int8Linear:
+        joined = copy.copy(first)
+        joined._buffers = {
+            "qweight": torch.cat([m.qweight for m in linears]),
+            "scales": torch.cat([m.scales for m in linears]),
+            "bias": bias,
+        }
+    elif kind is nn.Linear and first.weight.dtype in (torch.bfloat16, torch.float16) and first.weight.is_cpu:
+        joined = copy.copy(first)
+        weight = nn.Parameter(torch.cat([m.weight for m in linears]), requires_grad=False)
+        joined._parameters = {"weight": weight, "bias": None if bias is None else nn.Parameter(bias, False)}
+    else:
+        return None
+    forward = first.__dict__.get("forward")  # an instance-level forward (lab.engine.invariance's two-row product)
+    if forward is not None:
+        joined.forward = types.MethodType(forward.__func__, joined)
+    joined.out_features = sum(m.out_features for m in linears)
+    return joined
+
+
+class JoinedLinears:
+    """Linears that read the same input run as one product (`concatenate`); falls back to the separate products,
+    concatenated, when they cannot be joined."""
+
+    def __init__(self, parts: tuple[nn.Module, ...]) -> None:
+        self.parts = parts
+        self.joined = concatenate(list(parts))
+        self.sizes = [part.out_features for part in parts]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The parts' outputs side by side in one tensor [..., sum of `sizes`]."""
+        if self.joined is None:
+            return torch.cat([part.forward(x) for part in self.parts], dim=-1)
+        return self.joined.forward(x)
+
+
+def joined_linears(owner: nn.Module, names: tuple[str, ...]) -> JoinedLinears:
+    """The `JoinedLinears` of `owner`'s linears `names` (e.g. q / k / v), cached on `owner`, rebuilt when a part
+    is replaced."""
+    parts = tuple(getattr(owner, name) for name in names)
+    key = "_lab_joined_" + "_".join(names)
+    cached = owner.__dict__.get(key)
+    if cached is None or any(a is not b for a, b in zip(cached.parts, parts, strict=True)):
+        cached = owner.__dict__[key] = JoinedLinears(parts)
+    return cached
+
+
+def int4_supported(linear: nn.Linear) -> bool:
+    return linear.out_features % 16 == 0 and linear.in_features % GROUP == 0
+
+
+def read_gguf_q4(gguf_path: Path) -> dict[str, tuple[np.ndarray, int, int]]:
+    """name -> (raw Q4_1 bytes, N, K) for every Q4_1 tensor of a GGUF file (read by the `gguf` package)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    out = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type == GGMLQuantizationType.Q4_1:
+            k, n = (int(v) for v in tensor.shape)  # GGUF lists the contiguous (input) dimension first
+            out[tensor.name] = (np.asarray(tensor.data), n, k)
+    return out
+
+
+def _gguf_groups(blocks: dict, layer: int, name: str, config) -> Q4Groups | None:
+    key = f"blk.{layer}.{GGUF_NAMES[name]}.weight"
+    if key not in blocks:
+        return None
+    raw, n, k = blocks[key]
+    groups = q4_from_gguf_blocks(raw, n, k)
+    if name == "q_proj":
+        return permute_rows_like_hf(groups, int(config.num_attention_heads))
+    if name == "k_proj":
+        return permute_rows_like_hf(groups, int(config.num_key_value_heads))
+    return groups
+
+
+def _replacement(linear: nn.Linear, precision: str, dtype: torch.dtype, groups: Q4Groups | None) -> nn.Module:
+    if precision == "int4" and int4_supported(linear):
+        if groups is None or tuple(groups.q.shape) != tuple(linear.weight.shape):
+            groups = q4_from_weight(linear.weight)
+        return Int4Linear(groups, linear.bias, dtype)
+    return Int8Linear(linear.weight, linear.bias, dtype)
+
+
+def quantize_model(
+    model: nn.Module, precision: str, dtype: torch.dtype, gguf_path: Path | None = None
+) -> dict[str, int]:
+    """Replace the decoder layers' linears and the LM head in place; returns how many modules took each format.
+    `dtype` is the activation dtype the kernels run in (the model's dtype after loading)."""
+    if precision == "bf16":
+        return {}
+    if precision not in ("int8", "int4"):
+        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    blocks = read_gguf_q4(gguf_path) if gguf_path is not None and precision == "int4" else {}
+    counts: dict[str, int] = {}
+    for index, layer in enumerate(model.get_decoder().layers):
+        for parent in (layer.self_attn, layer.mlp):
+            for name in LAYER_LINEARS:
+                linear = getattr(parent, name, None)
+                if isinstance(linear, nn.Linear):
+                    groups = _gguf_groups(blocks, index, name, model.config) if blocks else None
+                    new = _replacement(linear, precision, dtype, groups)
+                    setattr(parent, name, new)
+                    kind = type(new).__name__
+                    counts[kind] = counts.get(kind, 0) + 1
+    head = model.get_output_embeddings()
+    if isinstance(head, nn.Linear):
+        model.set_output_embeddings(Int8Linear(head.weight, head.bias, dtype))  # the embedding keeps its weight
+        counts["Int8Linear head"] = 1
+    return counts
+
+
+def precision_of(model: nn.Module) -> str:
+    """int4 / int8 when the model holds such modules, else bf16 (its float weights)."""
+    kinds = {type(m) for m in model.modules()}
+    return "int4" if Int4Linear in kinds else "int8" if Int8Linear in kinds else "bf16"
+
+
+@cache
+def _fastest_cpu_precision(dtype: torch.dtype) -> str:
+    """Time a gate/up-shaped product at one row over copies larger than the last-level cache, per format;
+    keep a low-bit format only where it is markedly faster than the float weights."""
+    weight = torch.randn(1536, 576) * 0.02
+    copies = 48  # 48 bf16 copies of this shape are about 85 MB
+    modules = {
+        "bf16": [nn.Linear(576, 1536, bias=False).to(dtype) for _ in range(copies)],
+        "int8": [Int8Linear(weight, None, dtype) for _ in range(copies)],
+        "int4": [Int4Linear(q4_from_weight(weight), None, dtype) for _ in range(copies)],
+    }
+    x = torch.randn(1, 576).to(dtype)
+    best: dict[str, float] = {}
+    with torch.inference_mode():
+        for name, mods in modules.items():
+            for module in mods[:2]:
+                module(x)
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for module in mods:
+                    module(x)
+                times.append(time.perf_counter() - start)
+            best[name] = min(times)
+    fastest = min(best, key=best.get)
+    return fastest if best[fastest] < 0.8 * best["bf16"] else "bf16"
+
+
+def resolve_precision(precision: str, device: torch.device, dtype: torch.dtype) -> str:
+    """bf16 (float weights) on CUDA / MPS and for "auto" there; on CPU "auto" measures once (see above)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"Unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}.")
+    if device.type != "cpu":
+        if precision in ("int8", "int4"):
+            raise ValueError(f"Precision {precision!r} runs on CPU kernels only; use bf16 on {device.type}.")
+        return "bf16"
+    return _fastest_cpu_precision(dtype) if precision == "auto" else precision
+
+
+def quantized_copy(loaded, precision: str):
+    """A LoadedModel whose model is a deep copy of `loaded.model` quantized to `precision` from its current
+    float weights (tests quantize tiny random models this way; `lab.engine.models` quantizes at load time)."""
+    model = copy.deepcopy(loaded.model)
+    quantize_model(model, precision, loaded.dtype)
+    return dataclasses.replace(loaded, model=model.eval(), precision=precision)
