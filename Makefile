@@ -71,7 +71,7 @@ gpu-check: $(DEV_INSTALLED)
 	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		DECODING_LAB_TEST_DEVICE=cuda $(PY) -m pytest -q -m gpu tests/test_gpu.py tests/test_published_gpu.py; fi
 
-# Browser end-to-end tests and the 20-session load test alone (both also run in `make test`).
+# Browser end-to-end tests and the 30-session load test alone (both also run in `make test`).
 e2e: $(DEV_INSTALLED)
 	$(PY) -m pytest -q -m e2e tests/e2e
 

@@ -1,10 +1,10 @@
 """Decoding Lab web app (Gradio): run, compare, replay, learn and measure decoding strategies.
 
-UI only (DESIGN.md section 9): inputs are validated by `lab.app.validation`, model work goes through `lab.app.runner`,
-figures come from `visualizers`, and the tabs' logic lives in gradio-free modules (`lab.app.compare`, `lab.app.replay`,
-`lab.app.learn`, `lab.tools.measure`, `lab.app.history`, `lab.app.presets`, `lab.app.controls`, `lab.app.zerogpu`) and
-the tabs' layout in `ui/` (one module per tab, shared pieces in `ui/common.py`). Every tab is built
-from the registries (`strategies.REGISTRY`, `visualizers.VIEWS`), so a new strategy appears everywhere.
+UI only (docs/architecture.md section 9): inputs are validated by `lab.app.validation`, model work goes through
+`lab.app.runner`, figures come from `visualizers`, and the tabs' logic lives in gradio-free modules (`lab.app.compare`,
+`lab.app.replay`, `lab.app.learn`, `lab.tools.measure`, `lab.app.history`, `lab.app.presets`, `lab.app.controls`,
+`lab.app.zerogpu`) and the tabs' layout in `ui/` (one module per tab, shared pieces in `ui/common.py`). Every tab is
+built from the registries (`strategies.REGISTRY`, `visualizers.VIEWS`), so a new strategy appears everywhere.
 
 Classroom: every model run (Run, Branch, Compare) goes through one model lane (`lab.app.shared_runs.RunHub`, one run
 at a time; Measure takes its lock): a Run handler waits inside the lane and shows its place in line and an

@@ -1,4 +1,4 @@
-"""Typed strategy parameters with defaults, ranges and help text (DESIGN.md section 6).
+"""Typed strategy parameters with defaults, ranges and help text (docs/architecture.md section 6).
 
 A strategy's `Params` is a frozen dataclass whose fields are declared with `param(...)`. The CLI (`lab list
 --json`, `--set key=value`) and the app build their controls from `param_specs`, and `build_params` validates

@@ -1,5 +1,5 @@
-"""The strategy registry, below both `lab` and `strategies` (DESIGN.md section 2): the `Strategy` contract and
-the lookup by name that the CLI, validation, the bench and the evals share.
+"""The strategy registry, below both `lab` and `strategies` (docs/architecture.md section 2): the `Strategy` contract
+and the lookup by name that the CLI, validation, the bench and the evals share.
 
 Strategies register themselves (`register`, called for every module of the plugin package that defines
 `STRATEGY`); code under `lab/` never imports `strategies/`: the first lookup loads the plugin package by name

@@ -1,4 +1,4 @@
-"""Trace events, the statistics folded from them, and the versioned JSON trace file (DESIGN.md section 7).
+"""Trace events, the statistics folded from them, and the versioned JSON trace file (docs/architecture.md section 7).
 
 Events are frozen dataclasses of plain Python values (ints, floats, strings, lists of those); each carries the
 step index. Strategies emit them, visualizers and stats read them. This module imports neither torch nor

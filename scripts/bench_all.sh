@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmark tables of the README, in one go (about 15 minutes on a quiet 2-core CPU). Run it alone: every
+# Two benchmark tables (draft heads; SD vs SSD with one drafter), in one go (about 15 minutes on a quiet 2-core CPU). Run it alone: every
 # number is a ratio measured within one `lab bench` run, but other processes on the machine still add noise.
 set -euo pipefail
 cd "$(dirname "$0")/.."

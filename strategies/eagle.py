@@ -20,8 +20,8 @@ re-reads the path with real features in step 1 of the next round, as EAGLE's imp
 token stream out. The first token comes from the prefill forward, as in greedy decoding.
 
 Defaults (total_tokens 16, depth 3, branch 8) come from measuring the round's parts on the embedded model on the
-2-core CPU (`lab.tools.eagle_tune` replays tree sizes, then `lab bench` checked the best few; the README's EAGLE
-section has the table).
+2-core CPU (`lab.tools.eagle_tune` replays tree sizes, then `lab bench` checked the best few; CHANGELOG.md keeps that
+table).
 Deliberate differences: EOS nodes are not expanded; no repetition penalty (it would depend on each node's path);
 the head only scores its draft vocabulary V_d (`lab.heads.eagle`).
 `heads_path` also takes published heads (SafeAILab EAGLE-1/2 and EAGLE-3, speculators EAGLE-3: lab.heads.published);

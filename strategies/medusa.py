@@ -13,10 +13,10 @@ Acceptance modes:
 - typical (lossy, Cai et al. 2024, Sec. 2.3.1): node x is accepted if p(x) > min(epsilon, delta * exp(-H(p)))
   under its parent's temperature-scaled target distribution; the longest accepted path wins (first in node order
   on ties) and the next token is sampled from p after it. Faster, but not the target's distribution;
-- sample (lossless): `accept_tree`'s sibling-by-sibling rule for deterministic candidates (SpecInfer /
+- sample (lossless): `accept_tree_sampled`'s sibling-by-sibling rule for deterministic candidates (SpecInfer /
   EAGLE-2): accept child x with probability p(x), else p(x) = 0, renormalise, try the next sibling, finally
   sample what is left. A drafter that samples a chain with known q (MTPC) gets Leviathan et al.'s rule.
-Tree size (`tree_nodes`, default 8) is a CPU trade-off (README, Medusa section, has the measured table): a verify
+Tree size (`tree_nodes`, default 8) is a CPU trade-off (docs/benchmarks.md has the current figures): a verify
 forward costs a little more per node on a CPU, while on a GPU larger trees are nearly free.
 The loop is `lab.speculative.tree.tree_loop`, the drafter `lab.speculative.proposers.medusa.MedusaProposer`.
 `heads_path` also takes FasterDecoding's Medusa heads (a folder or Hub id: lab.heads.published), each head with

@@ -1,4 +1,4 @@
-"""The app through gradio_client against a launched server (DESIGN.md section 11)."""
+"""The app through gradio_client against a launched server (docs/architecture.md section 11)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Import boundaries of DESIGN.md section 2: visualizers and lab.trace never pull in torch or gradio; the engine
-(lab) and the strategies never pull in gradio. Each check runs in a fresh interpreter so earlier imports in the
+"""Import boundaries of docs/architecture.md section 2: visualizers and lab.trace never pull in torch or gradio; the
+engine (lab) and the strategies never pull in gradio. Each check runs in a fresh interpreter so earlier imports in the
 test session cannot hide a violation."""
 
 from __future__ import annotations
@@ -80,6 +80,62 @@ def test_no_strategy_imports_another() -> None:
         if mods:
             offenders[path.stem] = mods
     assert offenders == {} and "speculative" in names and "ssd" in names
+
+
+# docs/architecture.md section 2: each package of lab/ and the lab packages it may import (besides its own).
+CONTRACT = {"lab.params", "lab.trace"}
+ENGINE = CONTRACT | {"lab.engine"}
+MIDDLE = ENGINE | {"lab.registry", "lab.speculative", "lab.methods", "lab.heads"}
+EVERYTHING = MIDDLE | {"lab.training", "lab.app", "lab.tools"}
+ALLOWED = {
+    "lab.params": set(),
+    "lab.trace": set(),
+    "lab.engine": CONTRACT,
+    "lab.registry": ENGINE,
+    "lab.heads": ENGINE,
+    "lab.speculative": ENGINE | {"lab.heads"},
+    "lab.methods": ENGINE | {"lab.registry", "lab.speculative"},
+    "lab.training": EVERYTHING,
+    "lab.app": EVERYTHING - {"lab.training", "lab.tools"},
+    "lab.tools": EVERYTHING,
+}
+
+
+def _lab_package(module: str) -> str | None:
+    """'lab.engine.models' -> 'lab.engine'; 'lab.trace' -> 'lab.trace'; None outside lab or for `lab` itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "lab" and len(parts) > 1 else None
+
+
+def _layer_violations(root: Path) -> dict[str, list[str]]:
+    """file -> the lab packages it imports that its own package may not (ALLOWED)."""
+    found = {}
+    for path in sorted((root / "lab").rglob("*.py")):
+        own = _lab_package(".".join(path.relative_to(root).with_suffix("").parts))
+        if own is None or own in ("lab.__init__", "lab.__main__"):
+            continue
+        allowed = ALLOWED[own] | {own}
+        imported = {_lab_package(m) for m in _imported_modules(path)} - {None}
+        bad = sorted(package for package in imported if package not in allowed)
+        if bad:
+            found[str(path.relative_to(root))] = bad
+    return found
+
+
+def test_every_lab_module_is_in_a_known_package() -> None:
+    packages = {_lab_package(".".join(p.relative_to(ROOT).with_suffix("").parts)) for p in (ROOT / "lab").rglob("*.py")}
+    assert packages - {None, "lab.__init__", "lab.__main__"} == set(ALLOWED)
+
+
+def test_lab_packages_import_only_downwards() -> None:
+    """The engine imports only the contracts; speculative, methods and heads never import the app or the tools."""
+    assert _layer_violations(ROOT) == {}
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
+    (tmp_path / "lab" / "engine").mkdir(parents=True)
+    (tmp_path / "lab" / "engine" / "runtime.py").write_text("def f():\n    from lab.app.runner import run\n")
+    assert _layer_violations(tmp_path) == {"lab/engine/runtime.py": ["lab.app"]}
 
 
 def test_the_boundary_checks_can_fail(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Losslessness of whole tree rounds of depth 2 (DESIGN.md section 11), with a negative control per rule.
+"""Losslessness of whole tree rounds of depth 2 (docs/architecture.md section 11), with a negative control per rule.
 
 On a tiny random Llama with a vocabulary of 6 (LM head x10 so p is far from uniform; EOS never emitted), the first
 three generated tokens of many independent runs of `lab.speculative.tree.tree_loop` are compared by chi-square

@@ -26,7 +26,15 @@ from lab.methods.mirostat import (
 )
 from lab.params import InputError, build_params
 from lab.tools.cli import main
-from lab.tools.evaluate import EvalResult, RowSpec, format_table, parse_baselines, parse_floats, rep4, summarize_row
+from lab.tools.mirostat_eval import (
+    EvalResult,
+    RowSpec,
+    format_table,
+    parse_baselines,
+    parse_floats,
+    rep4,
+    summarize_row,
+)
 from lab.trace import MirostatStep, RunFinished, TokenEmitted, Trace, from_json, to_json
 from strategies import collect, get_strategy
 from strategies.mirostat import MirostatParams, resolved_eta

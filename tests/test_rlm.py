@@ -206,7 +206,7 @@ def test_eval_traces_keep_the_run_params_and_the_first_tally_run(tmp_path) -> No
     import dataclasses
     import json
 
-    from lab.methods.rlm.evaluate import TALLY_PARAMS, save_traces, task_params
+    from lab.tools.rlm_eval import TALLY_PARAMS, save_traces, task_params
 
     def result(correct: bool) -> list:
         return [RlmResult(0, "7", correct, "final", 1, 2, 30, 400)]

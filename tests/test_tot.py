@@ -12,11 +12,11 @@ import torch
 from lab.app.runner import make_generator
 from lab.engine import runtime
 from lab.methods.tot import game24
-from lab.methods.tot.eval import EvalResult, auc, cot_answer_ok, format_table, run_eval
 from lab.methods.tot.lm import CallModel, build_trie
 from lab.methods.tot.search import SearchConfig
 from lab.params import InputError
 from lab.tools.cli import main
+from lab.tools.tot_eval import EvalResult, auc, cot_answer_ok, format_table, run_eval
 from lab.trace import RunFinished, ThoughtNode, ThoughtResult, ThoughtStep, TokenEmitted, Trace, from_json, to_json
 from strategies import get_strategy
 from strategies.tot import ToTParams, prompt_text, run

@@ -1,7 +1,7 @@
 """Tree attention: the parent-list -> (ancestors, depths, retrieve indices) builder, and exact tree verification.
 
 The exactness tests run a tiny random Llama: every node's logits from one tree-masked forward must equal the
-logits of running that node's root-to-node path as a plain chain after the same prefix (DESIGN.md 4 and 12).
+logits of running that node's root-to-node path as a plain chain after the same prefix (docs/architecture.md section 4).
 """
 
 from __future__ import annotations

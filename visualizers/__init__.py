@@ -1,4 +1,5 @@
-"""Visualizers: pure functions from trace events to plotly figures and HTML token views (DESIGN.md section 8).
+"""Visualizers: pure functions from trace events to plotly figures and HTML token views (docs/architecture.md section
+8).
 
 Covers: the token view (`token_view_html`, `alternatives_table`), the baseline top-k heatmap (`topk_figure`,
 `empty_figure`) and the per-strategy view registry `VIEWS`: each strategy names the figures it draws (in order,

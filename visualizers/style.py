@@ -1,4 +1,4 @@
-"""The lab's shared colours and layout conventions (DESIGN.md section 8).
+"""The lab's shared colours and layout conventions (docs/architecture.md section 8).
 
 Covers: the provenance / status colours used by every view (accepted green, rejected red, recovered orange,
 bonus blue, pruned grey, plain target tokens slate, tokens forced by a branch violet), light tints of them for token

@@ -1,5 +1,5 @@
 """`StrategyView`: what the lab draws for one strategy. A visualizer module registers views by defining
-`VIEWS: dict[str, StrategyView]`; `visualizers/__init__.py` collects them (DESIGN.md section 8)."""
+`VIEWS: dict[str, StrategyView]`; `visualizers/__init__.py` collects them (docs/architecture.md section 8)."""
 
 from __future__ import annotations
 

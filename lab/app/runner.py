@@ -18,7 +18,7 @@ from lab.trace import Event, Trace
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    """The explicit RNG of a run (DESIGN.md 5): every random draw of a strategy uses it."""
+    """The explicit RNG of a run (docs/architecture.md section 5): every random draw of a strategy uses it."""
     generator = torch.Generator(device="cpu" if device.type == "mps" else device)
     generator.manual_seed(seed)
     return generator

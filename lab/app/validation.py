@@ -8,18 +8,16 @@ no room for generation in the model's context window. Each failure is an `InputE
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from lab.engine.models import DEVICES, DTYPES, LoadedModel
+from lab.engine.models import DEVICES, DTYPES, LoadedModel, validate_model_spec
 from lab.engine.quant import PRECISIONS
 from lab.params import InputError, build_params
 from lab.registry import get_strategy
 
 MAX_PROMPT_CHARS = 12_000
 MAX_SEED = 2**63 - 1
-MODEL_SPEC_PATTERN = re.compile(r"^[\w./~:\\-]{1,300}$")
 
 
 @dataclass(frozen=True)
@@ -45,15 +43,6 @@ def validate_prompt(prompt: Any) -> str:
     if not prompt.strip():
         raise InputError("The prompt is empty; type something for the model to continue.")
     return prompt
-
-
-def validate_model_spec(model: Any) -> str:
-    if not isinstance(model, str) or not model.strip():
-        raise InputError("No model given; use 'smollm2-135m', a Hugging Face model id or a local directory.")
-    model = model.strip()
-    if not MODEL_SPEC_PATTERN.match(model):
-        raise InputError(f"{model[:80]!r} is not a model name, Hugging Face id or path.")
-    return model
 
 
 def validate_seed(seed: Any) -> int:

@@ -124,7 +124,7 @@ def make_rows_invariant(model: nn.Module) -> list[str]:
     weight = next(model.parameters(), None)
     if weight is None or weight.dtype not in REDUCED or weight.device.type != "cpu":
         return []
-    if os.environ.get(SWITCH, "1") == "0":  # speed over bit-exact greedy equality (README: what it costs)
+    if os.environ.get(SWITCH, "1") == "0":  # speed over bit-exact greedy equality (docs/benchmarks.md: what it costs)
         return []
     config = model.config
     if getattr(config, "_attn_implementation", None) in ("sdpa", "eager", None):

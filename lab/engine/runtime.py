@@ -1,4 +1,4 @@
-"""Forward passes and KV-cache handling shared by every strategy (DESIGN.md section 4).
+"""Forward passes and KV-cache handling shared by every strategy (docs/architecture.md section 4).
 
 Covered: prefill, one decode step, a multi-token verify step (a chain), a tree verify step (4D tree mask from
 `lab.engine.tree_attention`), per-layer hidden states, early-exit logits `lm_head(h_l)` (optionally through the final
@@ -102,7 +102,7 @@ def verify(state: DecodeState, token_ids: list[int], *, hidden_states: bool = Fa
 def verify_tree(
     state: DecodeState, tree: TreeAttention, token_ids: list[int], *, hidden_states: bool = False
 ) -> ForwardOutput:
-    """Score every node of a draft tree in one forward with the tree attention mask (DESIGN.md 4).
+    """Score every node of a draft tree in one forward with the tree attention mask (docs/architecture.md section 4).
 
     Node i attends to the whole cached prefix and to its ancestors in the tree; its position is
     n_past + depth(i). Row i of the logits is the target distribution after the root-to-node-i path.

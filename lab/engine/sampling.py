@@ -1,4 +1,4 @@
-"""Sampling: logits processors and `sample` (DESIGN.md section 5).
+"""Sampling: logits processors and `sample` (docs/architecture.md section 5).
 
 Every function is pure (inputs are never modified) and every random draw comes from an explicit
 `torch.Generator`. Processors follow Hugging Face's semantics and order (repetition penalty, then temperature,

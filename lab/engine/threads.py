@@ -10,8 +10,8 @@ waits at its barrier for a thread the kernel has descheduled, so a run slows far
 with only the free CPUs' threads avoids that. The OpenMP wait policy is left as it is: in
 `scripts/contention_bench.py` OMP_WAIT_POLICY=PASSIVE (mode "passive") did not raise tokens/s beside CPU-bound
 neighbours over the thread count alone and lowered it alone, where every parallel region then pays a wake-up
-(the README holds the numbers). Not covered: inter-op threads (unused by the decode loops), GPU devices (the policy
-only changes CPU threads), NUMA placement.
+(docs/benchmarks.md holds the numbers). Not covered: inter-op threads (unused by the decode loops), GPU devices (the
+policy only changes CPU threads), NUMA placement.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tree attention for draft trees (Medusa, EAGLE, MTPC share it; DESIGN.md section 4).
+"""Tree attention for draft trees (Medusa, EAGLE, MTPC share it; docs/architecture.md section 4).
 
 A tree is a parent list: `parents[i]` is the index of node i's parent, or -1 when node i hangs directly off the
 last committed token. Parents come before children (parents[i] < i). From it we build, once:

@@ -1,5 +1,5 @@
-"""The speculative core (DESIGN.md section 6): vanilla SD, SSD, EAGLE, Medusa and MTPC share it and differ only
-in the proposer and the scheduling.
+"""The speculative core (docs/architecture.md section 6): vanilla SD, SSD, EAGLE, Medusa and MTPC share it and differ
+only in the proposer and the scheduling.
 
 - `draft`: one `Draft` (a chain, or a tree by parent indices; q per node or None), `DraftContext`, the
   `Proposer` contract and `Verified` (what a proposer learns after a round).

@@ -1,4 +1,4 @@
-"""What every draft-then-verify method exchanges (DESIGN.md section 6): the draft, what a proposer sees, the
+"""What every draft-then-verify method exchanges (docs/architecture.md section 6): the draft, what a proposer sees, the
 proposer contract, and what the loop tells a proposer after verification.
 
 A `Draft` is a chain x_1..x_n (`parents` None) or a tree given by parent indices (node i hangs under node

@@ -1,6 +1,6 @@
 """Trace events of a verified round, built from the draft, the processed target rows and the acceptance (plain
-Python values only, DESIGN.md section 7): `draft_round` for chains (DraftRound, Leviathan et al. 2023's symbols)
-and `tree_round` for trees (TreeRound). The residual a recovered token was drawn from comes from the acceptance
+Python values only, docs/architecture.md section 7): `draft_round` for chains (DraftRound, Leviathan et al. 2023's
+symbols) and `tree_round` for trees (TreeRound). The residual a recovered token was drawn from comes from the acceptance
 rule itself, never recomputed here."""
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ row, and the KV-cache commit of what was accepted.
 
 Row 0 of the forward follows the root (the last committed token, not yet in the target's cache); row 1 + i follows
 draft node i. A chain runs causally (`runtime.verify`); a tree runs with the tree attention mask and position ids
-n_past + depth (`runtime.verify_tree`, DESIGN.md section 4). The rows go through the same logits processors as the
-plain sampler: with a repetition penalty, row 1 + i sees the history plus the tokens on the path to node i, which
+n_past + depth (`runtime.verify_tree`, docs/architecture.md section 4). The rows go through the same logits processors
+as the plain sampler: with a repetition penalty, row 1 + i sees the history plus the tokens on the path to node i, which
 is exactly what the plain sampler would see after them. `commit` keeps the root and the accepted path in the
 cache: a crop for chains, `runtime.select` for trees (KV compaction).
 In reduced precision (bf16 / fp16) the forward runs under `lab.engine.invariance.rows_invariant`, so every

@@ -2,9 +2,9 @@
 
 Covered: listing strategies (text, or JSON with every parameter's spec), running one strategy on a prompt
 (streaming text to stdout, stats to stderr; or one JSON object; optionally writing the trace file), the
-benchmark (`lab.tools.bench`) and the perplexity-control evaluation (`eval mirostat`, `lab.tools.evaluate`). Every input
-goes through `lab.app.validation.validate_request` (or the bench's and the evaluation's own checks, which use it too).
-Exit codes: 0 ok, 2 bad input ("error: ..." on stderr, no traceback), 3 the model could not be loaded,
+benchmark (`lab.tools.bench`) and the perplexity-control evaluation (`eval mirostat`, `lab.tools.mirostat_eval`). Every
+input goes through `lab.app.validation.validate_request` (or the bench's and the evaluation's own checks, which use it
+too). Exit codes: 0 ok, 2 bad input ("error: ..." on stderr, no traceback), 3 the model could not be loaded,
 130 interrupted (Ctrl-C).
 Not covered: interactive chat, batch runs of many prompts (use the bench), reading traces back.
 """
@@ -29,8 +29,8 @@ from lab.registry import by_family, registry
 PLUGIN_MODULES: tuple[str, ...] = (
     "lab.training.distill.cli",
     "lab.training.cli",
-    "lab.methods.tot.eval",
-    "lab.methods.rlm.evaluate",
+    "lab.tools.tot_eval",
+    "lab.tools.rlm_eval",
 )
 
 EXIT_OK, EXIT_INPUT, EXIT_MODEL, EXIT_INTERRUPTED = 0, 2, 3, 130
@@ -267,9 +267,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Run the perplexity-control evaluation (`lab.tools.evaluate`) and print the table or JSON."""
+    """Run the perplexity-control evaluation (`lab.tools.mirostat_eval`) and print the table or JSON."""
     from lab.app.validation import validate_seed
-    from lab.tools.evaluate import DEFAULT_TOKENS, format_table, parse_floats, run_eval
+    from lab.tools.mirostat_eval import DEFAULT_TOKENS, format_table, parse_floats, run_eval
 
     max_new_tokens = _int_option("--max-new-tokens", args.max_new_tokens)
     result = run_eval(

@@ -10,8 +10,8 @@ same idea is made exact for greedy decoding:
    is the number of leading nodes of the big tree's accepted path that survive the cut. This is exact round by
    round; over a run the round boundaries of a smaller tree shift, so tau(N, D) is a close estimate;
 3. estimated tokens/s(N, D) = tau(N, D) / (t_extend + (D - 1) t_step + t_verify(N)), ranked.
-The printed table and the best setting are what the eagle strategy's defaults come from (README, EAGLE section).
-Not covered: sampling mode (acceptance is random there), per-prompt adaptation of the tree size.
+The printed table and the best setting are what the eagle strategy's defaults come from (CHANGELOG.md keeps the last
+table). Not covered: sampling mode (acceptance is random there), per-prompt adaptation of the tree size.
 """
 
 from __future__ import annotations

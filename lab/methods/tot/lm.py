@@ -109,8 +109,9 @@ class CallModel:
         out = runtime.verify_tree(entry.state, build_tree_attention(parents), tokens)  # [N, V]
         runtime.crop(entry.state, start)
         rows = torch.cat([entry.last_logits[None], out.logits])  # [N + 1, V]: row 0 = after the prefix
-        parent_rows = torch.tensor(parents) + 1  # [N]
-        token_logp = rows[parent_rows].log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]  # [N]
+        parent_rows = torch.tensor(parents, device=rows.device) + 1  # [N]
+        token_ids = torch.tensor(tokens, device=rows.device)[:, None]  # [N, 1]
+        token_logp = rows[parent_rows].log_softmax(-1).gather(1, token_ids)[:, 0]  # [N]
         cumulative = token_logp.double().tolist()  # log p of the root-to-node path, filled in parent order
         for node, parent in enumerate(parents):
             if parent >= 0:

@@ -143,7 +143,9 @@ class TreeSearch:
         logps = torch.tensor(self.lm.score(VOTE, suffix, vote_options(len(nodes))))  # full " i\n" sequences
         self.value_calls += 1
         probs = (logps / self.config.temperature).softmax(0)
-        votes = torch.multinomial(probs, self.config.n_votes, replacement=True, generator=self.generator)
+        votes = torch.multinomial(
+            probs.to(self.generator.device), self.config.n_votes, replacement=True, generator=self.generator
+        )
         counts = torch.bincount(votes, minlength=len(nodes)).tolist()
         for node, count in zip(nodes, counts, strict=True):
             node.value, node.source = count / self.config.n_votes, "vote"

@@ -42,8 +42,9 @@ class Thought:
 
 def sample_distinct(logps: list[float], k: int, temperature: float, generator: torch.Generator) -> list[int]:
     """k distinct indices drawn without replacement from softmax(logps / T) (Gumbel top-k)."""
-    scores = torch.tensor(logps, dtype=torch.float64) / temperature
-    uniform = torch.rand(len(logps), generator=generator, dtype=torch.float64).clamp_min(1e-300)
+    scores = torch.tensor(logps, dtype=torch.float64, device=generator.device) / temperature
+    uniform = torch.rand(len(logps), generator=generator, dtype=torch.float64, device=generator.device)
+    uniform = uniform.clamp_min(1e-300)
     perturbed = scores - torch.log(-torch.log(uniform))
     return perturbed.argsort(descending=True)[:k].tolist()
 

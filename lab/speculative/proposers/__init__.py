@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lab.app.validation import validate_model_spec
-from lab.engine.models import LoadedModel
+from lab.engine.models import LoadedModel, validate_model_spec
 from lab.heads.common import load_heads
 from lab.params import InputError
 from lab.speculative.draft import Proposer

@@ -11,10 +11,10 @@ strategy cuts every draft after EOS. HF also drops candidates its logits process
 verification reject them (p(x) = 0 is never accepted), which is the same result one forward later.
 Match-scaled length (`scaled`, the strategies' default `lookup_scaling`): after a match of n tokens draft at most
 2n - 1 (a 1-gram match drafts 1 token, a 4-gram match 7). A lookup's acceptance grows with the matched length,
-and on CPUs where a verify forward costs markedly more per extra token (fp32 here: 7 tokens cost about 1.8x one
-token) long drafts from weak 1-gram matches lose more than they win. The rule was chosen by replaying the lab's
-greedy outputs of 12 builtin prompts (128 tokens) under three measured cost curves: it gave 1.25-1.44x
-predicted speedup under all three, where fixed gamma 6 gave 1.06-1.45x (README, speculative decoding notes).
+and on CPUs where a verify forward costs markedly more per extra token, long drafts from weak 1-gram matches lose
+more than they win. The rule was chosen by replaying the lab's greedy outputs of 12 builtin prompts (128 tokens)
+under three measured cost curves, where it beat fixed gamma under the steep ones and tied under the flat one
+(docs/speculative.md, "Where the time goes").
 For SSD (`context.fanout` > 0) each drafted position also reports its candidates (`continuations`): the distinct
 tokens that followed earlier matches of the longest matching suffix n-gram there, most frequent first, with
 their relative frequencies as probabilities (a ranking heuristic, not a model distribution).

@@ -188,7 +188,7 @@ def save_traces(kept: list, folder: str, model: str) -> list[str]:
 
 
 def cmd_eval_rlm(args: argparse.Namespace) -> int:
-    from lab.app.validation import validate_model_spec
+    from lab.engine.models import validate_model_spec
 
     try:
         limit = int(args.limit)
