@@ -138,6 +138,38 @@ def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
     assert _layer_violations(tmp_path) == {"lab/engine/runtime.py": ["lab.app"]}
 
 
+def _import_cycle(package: Path, name: str) -> list[str]:
+    """A cycle among the modules of one package (deferred imports included), or [] when their imports form a DAG."""
+    modules = {f"{name}.{p.stem}": p for p in package.glob("*.py") if p.stem != "__init__"}
+    edges = {m: sorted(i for i in _imported_modules(p) if i in modules and i != m) for m, p in modules.items()}
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> list[str]:
+        state[module] = "open"
+        for target in edges[module]:
+            if state.get(target) == "open":
+                return [*path, module, target]
+            if target not in state and (cycle := visit(target, [*path, module])):
+                return cycle
+        state[module] = "done"
+        return []
+
+    for module in sorted(modules):
+        if module not in state and (cycle := visit(module, [])):
+            return cycle
+    return []
+
+
+def test_visualizer_modules_do_not_import_each_other_in_a_circle() -> None:
+    assert _import_cycle(ROOT / "visualizers", "visualizers") == []
+
+
+def test_the_cycle_check_sees_a_deferred_circle(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("from pkg.b import f\n")
+    (tmp_path / "b.py").write_text("def f():\n    from pkg.a import g\n")
+    assert _import_cycle(tmp_path, "pkg") in (["pkg.a", "pkg.b", "pkg.a"], ["pkg.b", "pkg.a", "pkg.b"])
+
+
 def test_the_boundary_checks_can_fail(tmp_path: Path) -> None:
     """The import scan sees deferred and `from` imports, so a violation cannot hide in a function body."""
     sample = tmp_path / "sample.py"

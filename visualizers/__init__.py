@@ -4,8 +4,8 @@
 Covers: the token view (`token_view_html`, `alternatives_table`), the baseline top-k heatmap (`topk_figure`,
 `empty_figure`) and the per-strategy view registry `VIEWS`: each strategy names the figures it draws (in order,
 the first is its main live view) and optionally the steps the token view should highlight. Unknown strategies
-fall back to the baseline view. Besides the views listed here, every module of this package that defines
-`VIEWS: dict[str, StrategyView]` (see `visualizers.view`) is collected, so a new strategy's visualizer registers
+fall back to the baseline view. Views are registered one way: every module of this package that defines
+`VIEWS: dict[str, StrategyView]` (see `visualizers.view`) is collected here, so a new strategy's visualizer registers
 itself. Shared colours and layout live in `visualizers.style`. This package imports
 plotly, the standard library and `lab.trace` only: never torch or gradio (tests/test_boundaries.py enforces it).
 """
@@ -19,55 +19,13 @@ from inspect import signature
 import plotly.graph_objects as go
 
 from lab.trace import Event
-from visualizers import dola
-from visualizers.cfg import (
-    guidance_bars_figure,
-    guidance_changed_steps,
-    guidance_delta_figure,
-    guidance_step_figure,
-    guidance_trace_figure,
-)
 from visualizers.inspect import step_alternatives_figure
-from visualizers.mirostat import control_figure, running_mean_figure, truncation_figure
-from visualizers.speculative import (
-    acceptance_figure,
-    round_detail_figure,
-    round_inspect,
-    rounds_figure,
-    speedup_figure,
-)
 from visualizers.style import STATUS_COLORS, TOKEN_BACKGROUNDS, base_layout, display_token, distinct_labels
 from visualizers.tokens import alternatives_table, token_view_html
 from visualizers.topk import empty_figure, topk_figure
-from visualizers.view import StrategyView
+from visualizers.view import BASELINE_VIEW, StrategyView
 
-BASELINE_VIEW = StrategyView(figures=(topk_figure,))
-
-VIEWS: dict[str, StrategyView] = {
-    "speculative": StrategyView(
-        figures=(rounds_figure, round_detail_figure, acceptance_figure, speedup_figure), inspect=round_inspect
-    ),
-    "greedy": BASELINE_VIEW,
-    "sample": BASELINE_VIEW,
-    "mirostat": StrategyView(figures=(control_figure, running_mean_figure, truncation_figure)),
-    "dola": StrategyView(
-        figures=(
-            dola.divergence_figure,
-            dola.divergence_heatmap_figure,
-            dola.lens_figure,
-            dola.topk_compare_figure,
-        ),
-        highlight_steps=dola.highlight_steps,
-        highlight_label=dola.HIGHLIGHT_LABEL,
-    ),
-    "cfg": StrategyView(
-        figures=(guidance_bars_figure, guidance_delta_figure, guidance_trace_figure),
-        highlight_steps=guidance_changed_steps,
-        highlight_label="guidance changed the top token",
-        inspect=guidance_step_figure,
-        knobs=("gamma",),
-    ),
-}
+VIEWS: dict[str, StrategyView] = {}
 
 
 def _collect_module_views() -> None:

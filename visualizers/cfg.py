@@ -18,6 +18,7 @@ import plotly.graph_objects as go
 from lab.trace import Event, GuidanceStep
 from visualizers.style import STATUS_COLORS, base_layout, display_token, distinct_labels
 from visualizers.topk import empty_figure
+from visualizers.view import StrategyView
 
 SERIES_COLORS = {"cond": "#1f77b4", "uncond": "#9e9e9e", "guided": "#9467bd", "kl": "#ff7f0e"}
 PLACEHOLDER = "No guidance steps yet"
@@ -185,3 +186,14 @@ def guidance_changed_steps(events: list[Event]) -> set[int]:
         if e.token_ids[top_cond] != e.token_ids[top_guided]:
             changed.add(e.step)
     return changed
+
+
+VIEWS = {
+    "cfg": StrategyView(
+        figures=(guidance_bars_figure, guidance_delta_figure, guidance_trace_figure),
+        highlight_steps=guidance_changed_steps,
+        highlight_label="guidance changed the top token",
+        inspect=guidance_step_figure,
+        knobs=("gamma",),
+    ),
+}

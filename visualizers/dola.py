@@ -25,6 +25,7 @@ from lab.trace import Event, LayerContrast
 from visualizers.labels import NARROW_PLOT_PX, cell_text
 from visualizers.style import STATUS_COLORS, base_layout, display_token, distinct_labels
 from visualizers.topk import empty_figure
+from visualizers.view import StrategyView
 
 PLACEHOLDER = "No DoLa steps yet"
 HIGHLIGHT_LABEL = "DoLa differs from greedy"
@@ -194,3 +195,12 @@ def topk_compare_figure(events: list[Event]) -> go.Figure:
     subtitle = f"{title} (step {last.step}; emitted {display_token(last.token_text)} in green)"
     fig.update_layout(**base_layout(subtitle, height=320), showlegend=False)
     return fig
+
+
+VIEWS = {
+    "dola": StrategyView(
+        figures=(divergence_figure, divergence_heatmap_figure, lens_figure, topk_compare_figure),
+        highlight_steps=highlight_steps,
+        highlight_label=HIGHLIGHT_LABEL,
+    ),
+}

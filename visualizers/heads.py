@@ -50,29 +50,6 @@ def _round(events: list[Event], step: int | None, kind: type = TreeRound):
     return next((r for r in rounds if r.step == step), None)
 
 
-def layered_y(parents: list[int]) -> list[float]:
-    """y of each node (leaves in depth-first order, parents centred over their children); the last entry is the
-    root's y."""
-    children: dict[int, list[int]] = {}
-    for node, parent in enumerate(parents):
-        children.setdefault(parent, []).append(node)
-    y: dict[int, float] = {}
-    next_leaf = 0.0
-
-    def place(node: int) -> float:
-        nonlocal next_leaf
-        kids = children.get(node, [])
-        if not kids:
-            y[node], next_leaf = next_leaf, next_leaf + 1
-        else:
-            spots = [place(kid) for kid in kids]
-            y[node] = (spots[0] + spots[-1]) / 2
-        return y[node]
-
-    place(-1)
-    return [-y[i] for i in range(len(parents))] + [-y[-1]]
-
-
 def node_status(tree: TreeRound) -> list[str]:
     """accepted (on the kept path), rejected (its parent was reached, the node was not kept) or pruned."""
     kept = set(tree.accepted)

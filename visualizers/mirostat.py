@@ -18,6 +18,7 @@ import plotly.graph_objects as go
 from lab.trace import Event, MirostatStep
 from visualizers.style import STATUS_COLORS, base_layout
 from visualizers.topk import empty_figure
+from visualizers.view import StrategyView
 
 PLACEHOLDER = "No Mirostat steps yet"
 SERIES_COLORS = {"mirostat": STATUS_COLORS["bonus"], "top-k": STATUS_COLORS["recovered"], "top-p": "#9467bd"}
@@ -148,3 +149,6 @@ def truncation_figure(events: list[Event]) -> go.Figure:
     fig.update_yaxes(title_text="tokens kept", type="log")
     fig.update_layout(legend=LEGEND)
     return fig
+
+
+VIEWS = {"mirostat": StrategyView(figures=(control_figure, running_mean_figure, truncation_figure))}

@@ -31,6 +31,7 @@ from lab.trace import DraftRound, Event
 from visualizers.labels import NARROW_PLOT_PX, PlotBox, fit_labels
 from visualizers.style import STATUS_COLORS, base_layout, display_token, distinct_labels
 from visualizers.topk import empty_figure
+from visualizers.view import StrategyView
 
 PLACEHOLDER = "No speculative rounds yet"
 UNVERIFIED = "not verified"
@@ -272,3 +273,10 @@ def speedup_figure(events: list[Event]) -> go.Figure:
     fig.update_yaxes(title_text="speedup (x)", rangemode="tozero")
     fig.update_layout(legend={"orientation": "h", "y": -0.3})
     return fig
+
+
+VIEWS = {
+    "speculative": StrategyView(
+        figures=(rounds_figure, round_detail_figure, acceptance_figure, speedup_figure), inspect=round_inspect
+    ),
+}

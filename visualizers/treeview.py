@@ -2,7 +2,7 @@
 
 Covers: `collapse(parents, depths, keep)` (the kept nodes, which must include every kept node's ancestors, and one
 summary per kept node or the root for the hidden branches below it, counting every hidden descendant), `TreeLayout`
-(x = depth, y = leaf order with parents centred over their children, from `visualizers.heads.layered_y`, for
+(x = depth, y = leaf order with parents centred over their children, from `layered_y`, for
 the kept nodes and the summaries together; `height` grows with the number of leaf rows; `labels` keeps only the
 labels that fit beside their node at the assumed plot width, `visualizers.labels`), and `apply_frame` (axes with
 fixed ranges so the pixel geometry the labels were fitted for is the one drawn, a bottom legend, uirevision).
@@ -37,6 +37,29 @@ def collapse(parents: list[int], depths: list[int], keep: set[int]) -> tuple[lis
     return shown, sorted(groups.items(), key=lambda item: item[0])
 
 
+def layered_y(parents: list[int]) -> list[float]:
+    """y of each node (leaves in depth-first order, parents centred over their children); the last entry is the
+    root's y."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    y: dict[int, float] = {}
+    next_leaf = 0.0
+
+    def place(node: int) -> float:
+        nonlocal next_leaf
+        kids = children.get(node, [])
+        if not kids:
+            y[node], next_leaf = next_leaf, next_leaf + 1
+        else:
+            spots = [place(kid) for kid in kids]
+            y[node] = (spots[0] + spots[-1]) / 2
+        return y[node]
+
+    place(-1)
+    return [-y[i] for i in range(len(parents))] + [-y[-1]]
+
+
 @dataclass
 class TreeLayout:
     """Positions of the shown nodes (original indices) and of the collapsed summaries, and the figure's size."""
@@ -56,7 +79,6 @@ class TreeLayout:
 
     @classmethod
     def build(cls, parents: list[int], depths: list[int], keep: set[int], root_x: float = -1.0) -> TreeLayout:
-        from visualizers.heads import layered_y  # heads imports this module: resolved at call time
 
         shown, groups = collapse(parents, depths, keep)
         index = {node: k for k, node in enumerate(shown)}
