@@ -19,6 +19,9 @@ class InputError(ValueError):
     """Bad user input (prompt, parameter, strategy or model name); the message is shown to the user as is."""
 
 
+POSITIVE = "> 0"  # `only_when=("temperature", POSITIVE)`: the field matters only while that parameter is above 0
+
+
 def param(
     default: Any,
     *,
@@ -26,9 +29,16 @@ def param(
     low: float | None = None,
     high: float | None = None,
     choices: tuple | None = None,
+    only_when: tuple[str, Any] | None = None,
 ) -> Any:
-    """Declare a parameter field: default, inclusive range or choices, and a help text (the formula it controls)."""
-    return dataclasses.field(default=default, metadata={"low": low, "high": high, "choices": choices, "help": help})
+    """Declare a parameter field: default, inclusive range or choices, a help text (the formula it controls) and,
+    when the field has an effect only under another parameter's values, `only_when=(name, value)`, value being
+    one choice, a tuple of choices, or POSITIVE. The app hides the control otherwise (`lab.app.controls`)."""
+    if only_when is not None:
+        name, values = only_when
+        only_when = (name, values if values == POSITIVE or isinstance(values, tuple) else (values,))
+    metadata = {"low": low, "high": high, "choices": choices, "help": help, "only_when": only_when}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -41,9 +51,11 @@ class ParamSpec:
     choices: tuple | None
     help: str
     common: bool  # shared by every strategy (declared on DecodeParams)
+    only_when: tuple[str, Any] | None = None  # (parameter, its choices or POSITIVE) under which this one matters
 
     def as_dict(self) -> dict:
         data = dataclasses.asdict(self)
+        del data["only_when"]  # a UI rule (lab.app.controls), not part of `lab list --json`'s parameter record
         data["choices"] = list(self.choices) if self.choices else None
         return data
 
@@ -76,6 +88,7 @@ def param_specs(params_cls: type) -> list[ParamSpec]:
                 choices=meta.get("choices"),
                 help=meta.get("help", ""),
                 common=spec.name in COMMON_FIELDS,
+                only_when=meta.get("only_when"),
             )
         )
     return specs

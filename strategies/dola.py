@@ -50,7 +50,7 @@ from lab.engine import runtime
 from lab.engine.models import LoadedModel
 from lab.engine.sampling import SamplingConfig, apply_repetition_penalty, choose_token, process_logits
 from lab.engine.text import IncrementalDetokenizer
-from lab.params import DecodeParams, InputError, param
+from lab.params import POSITIVE, DecodeParams, InputError, param
 from lab.registry import Strategy
 from lab.trace import Event, LayerContrast, RunFinished, TokenEmitted
 
@@ -77,7 +77,11 @@ class DolaParams(DecodeParams):
         0.1, low=0.001, high=1.0, help="alpha of V_head = {x : q_N(x) >= alpha * max q_N} (dola mode, Eq. 4)."
     )
     soft_alpha: float = param(
-        1.0, low=0.0, high=10.0, help="Soft contrast only: a in log q_N + a * max(0, log q_N - log q_M)."
+        1.0,
+        low=0.0,
+        high=10.0,
+        help="Soft contrast only: a in log q_N + a * max(0, log q_N - log q_M).",
+        only_when=("mode", "soft"),
     )
     repetition_penalty: float = param(
         1.2, low=1.0, high=2.0, help="Seen tokens: z / r if z > 0 else z * r on the contrast (Sec. 2.4; 1 = off)."
@@ -85,8 +89,20 @@ class DolaParams(DecodeParams):
     temperature: float = param(
         0.0, low=0.0, high=2.0, help="0 = greedy argmax of the contrast; > 0 samples softmax(contrast / T)."
     )
-    top_k: int = param(0, low=0, high=1000, help="Sampling only: keep the k best contrast scores (0 = off).")
-    top_p: float = param(1.0, low=0.05, high=1.0, help="Sampling only: nucleus over softmax(contrast) (1 = off).")
+    top_k: int = param(
+        0,
+        low=0,
+        high=1000,
+        help="Sampling only: keep the k best contrast scores (0 = off).",
+        only_when=("temperature", POSITIVE),
+    )
+    top_p: float = param(
+        1.0,
+        low=0.05,
+        high=1.0,
+        help="Sampling only: nucleus over softmax(contrast) (1 = off).",
+        only_when=("temperature", POSITIVE),
+    )
     apply_final_norm: bool = param(
         False, help="Early exit through the final norm, lm_head(norm(h_j)); off = lm_head(h_j) as the reference."
     )

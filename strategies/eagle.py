@@ -58,8 +58,10 @@ class EagleParams(DecodeParams):
     total_tokens: int = param(16, low=1, high=128, help="Draft nodes kept after reranking by c(x) (verify size).")
     depth: int = param(3, low=1, high=16, help="Draft tree levels: head forwards per round (longest draft).")
     branch: int = param(8, low=1, high=16, help="EAGLE-2's top_k: children per expanded node and frontier width.")
-    temperature: float = param(1.0, low=0.05, high=2.0, help="sample: p = softmax(z / T) of the target.")
-    top_p: float = param(1.0, low=0.05, high=1.0, help="sample: nucleus on p (1 = off).")
+    temperature: float = param(
+        1.0, low=0.05, high=2.0, help="sample: p = softmax(z / T) of the target.", only_when=("mode", "sample")
+    )
+    top_p: float = param(1.0, low=0.05, high=1.0, help="sample: nucleus on p (1 = off).", only_when=("mode", "sample"))
     heads_path: str = param(
         "", help="Lab head file/stem, or a published EAGLE / EAGLE-3 folder or Hub id (empty = shipped head)."
     )

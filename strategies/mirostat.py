@@ -32,7 +32,13 @@ class MirostatParams(DecodeParams):
     eta: float = param(
         0.0, low=0.0, high=2.0, help="mu <- mu - eta (S - tau); 0 = the convention's default (paper 1, llama.cpp 0.1)."
     )
-    m: int = param(100, low=2, high=1000, help="v1: s_hat = least-squares Zipf exponent of the m most probable tokens.")
+    m: int = param(
+        100,
+        low=2,
+        high=1000,
+        help="v1: s_hat = least-squares Zipf exponent of the m most probable tokens.",
+        only_when=("version", "v1"),
+    )
     temperature: float = param(1.0, low=0.05, high=2.0, help="p = softmax(z / T) before Mirostat (the paper: T = 1).")
     convention: str = param(
         "paper",

@@ -52,7 +52,9 @@ class ToTParams(DecodeParams):
     )
     n_votes: int = param(5, low=1, high=20, help="Votes sampled per vote prompt; V = share of the votes.")
     prune_below: float = param(0.05, low=0.0, high=1.0, help="DFS prunes a thought with V < this (V in [0, 1]).")
-    max_expansions: int = param(20, low=1, high=200, help="DFS: states expanded before it gives up.")
+    max_expansions: int = param(
+        20, low=1, high=200, help="DFS: states expanded before it gives up.", only_when=("search", "dfs")
+    )
 
 
 def prompt_text(loaded: LoadedModel, prompt_ids: list[int]) -> str:

@@ -11,7 +11,7 @@ import pytest
 
 from lab.app import compare, history, learn, presets, replay, zerogpu
 from lab.app.controls import dependencies, visibility
-from lab.params import build_params
+from lab.params import build_params, param_specs
 from lab.trace import RunFinished, TokenEmitted, Trace, TraceError, to_json
 from strategies import ORDER, REGISTRY
 from visualizers.compare import diff_html
@@ -233,6 +233,23 @@ def test_visibility_rules_name_real_parameters(name):
     fields = set(visibility(params_cls, {}))
     for rule in dependencies(params_cls).values():
         assert rule.controller in fields and rule.field in fields and rule.controller != rule.field
+
+
+def test_visibility_rules_are_declared_on_the_fields_and_name_real_choices():
+    """Every `only_when` names another parameter of the same strategy and values it can take (a choice, or > 0 for
+    a number), and the rules are exactly the declared ones (no help text is parsed)."""
+    for name, strategy in REGISTRY.items():
+        specs = {spec.name: spec for spec in param_specs(strategy.Params)}
+        for field, rule in dependencies(strategy.Params).items():
+            assert specs[field].only_when is not None, (name, field)
+            controller = specs[rule.controller]
+            if rule.positive:
+                assert controller.type in ("int", "float"), (name, field)
+            else:
+                assert rule.values and set(rule.values) <= set(controller.choices or ()), (name, field)
+    declared = {(n, f) for n, s in REGISTRY.items() for f in dependencies(s.Params)}
+    assert ("speculative", "draft_layers") in declared and ("dola", "top_k") in declared
+    assert ("sample", "top_k") not in declared  # sample's help texts never hide anything
 
 
 # --- history --------------------------------------------------------------------------------------------------

@@ -28,12 +28,28 @@ class ChainParams(DecodeParams):
     adaptive: bool = param(False, help="Adapt gamma: +1 after a fully accepted draft, -1 after a rejection.")
     gamma_max: int = param(12, low=1, high=32, help="Upper bound of adaptive gamma (the start is clipped to it).")
     draft_model: str = param(
-        "", help="drafter=model: a Hugging Face id or path with the same tokenizer (empty = target)."
+        "",
+        help="drafter=model: a Hugging Face id or path with the same tokenizer (empty = target).",
+        only_when=("drafter", "model"),
     )
-    draft_layers: int = param(8, low=1, high=256, help="drafter=self-draft: L, the target's first L layers draft.")
-    max_ngram: int = param(4, low=1, high=8, help="drafter=prompt-lookup: longest suffix n-gram searched for.")
+    draft_layers: int = param(
+        8,
+        low=1,
+        high=256,
+        help="drafter=self-draft: L, the target's first L layers draft.",
+        only_when=("drafter", "self-draft"),
+    )
+    max_ngram: int = param(
+        4,
+        low=1,
+        high=8,
+        help="drafter=prompt-lookup: longest suffix n-gram searched for.",
+        only_when=("drafter", "prompt-lookup"),
+    )
     lookup_scaling: bool = param(
-        True, help="drafter=prompt-lookup: draft at most 2n - 1 tokens after a match of n tokens (else gamma)."
+        True,
+        help="drafter=prompt-lookup: draft at most 2n - 1 tokens after a match of n tokens (else gamma).",
+        only_when=("drafter", "prompt-lookup"),
     )
     temperature: float = param(0.0, low=0.0, high=2.0, help="p = softmax(z / T) for target and draft (0 = greedy).")
     top_k: int = param(0, low=0, high=1000, help="Keep the k most likely tokens of p and q (0 = off).")
@@ -72,11 +88,23 @@ class HeadTreeParams(DecodeParams):
         help="greedy: exact; typical: p(x) > min(eps, delta e^-H) (lossy); sample: lossless.",
     )
     tree_nodes: int = param(8, low=1, high=64, help="Candidate tree size: the first N paths of the tuned tree.")
-    temperature: float = param(0.7, low=0.05, high=2.0, help="typical / sample: p = softmax(z / T).")
-    top_p: float = param(1.0, low=0.05, high=1.0, help="sample: nucleus on p (1 = off).")
-    epsilon: float = param(0.09, low=0.0, high=1.0, help="typical: hard threshold epsilon in min(eps, delta e^-H).")
+    temperature: float = param(
+        0.7, low=0.05, high=2.0, help="typical / sample: p = softmax(z / T).", only_when=("mode", ("typical", "sample"))
+    )
+    top_p: float = param(1.0, low=0.05, high=1.0, help="sample: nucleus on p (1 = off).", only_when=("mode", "sample"))
+    epsilon: float = param(
+        0.09,
+        low=0.0,
+        high=1.0,
+        help="typical: hard threshold epsilon in min(eps, delta e^-H).",
+        only_when=("mode", "typical"),
+    )
     delta: float = param(
-        0.3, low=0.0, high=1.0, help="typical: entropy-scaled threshold delta in min(eps, delta e^-H)."
+        0.3,
+        low=0.0,
+        high=1.0,
+        help="typical: entropy-scaled threshold delta in min(eps, delta e^-H).",
+        only_when=("mode", "typical"),
     )
     heads_path: str = param(
         "", help="Lab heads file/stem; Medusa also a FasterDecoding folder or Hub id (empty = shipped heads)."
