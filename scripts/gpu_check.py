@@ -43,17 +43,31 @@ LOSSLESS = {
     "mtpc": ("mtpc", {}),
     "eagle": ("eagle", {}),
 }
-SAMPLED = {"sample": {}, "dola": {}, "cfg": {}, "mirostat": {}, "speculative": {"temperature": 0.8},
-           "ssd": {"temperature": 0.8, "draft_layers": 1}, "medusa": {"mode": "sample"}, "mtpc": {"mode": "sample"},
-           "eagle": {"mode": "sample"}, "tot": {}, "rlm": {}, "greedy": {}}  # fmt: skip
+SAMPLED = {
+    "sample": {},
+    "dola": {},
+    "cfg": {},
+    "mirostat": {},
+    "speculative": {"temperature": 0.8},
+    "ssd": {"temperature": 0.8, "draft_layers": 1},
+    "medusa": {"mode": "sample"},
+    "mtpc": {"mode": "sample"},
+    "eagle": {"mode": "sample"},
+    "tot": {},
+    "rlm": {},
+    "greedy": {},
+}
 
 
 def write_heads(loaded, folder: Path) -> dict[str, str]:
     """Random Medusa / MTPC / EAGLE heads for `loaded`, saved as the lab saves trained ones; kind -> path."""
     hidden, vocab, generator = int(loaded.config.hidden_size), loaded.vocab_size, torch.Generator().manual_seed(1)
     shape, ids = model_shape(loaded), torch.arange(vocab)
-    medusa = {"blocks.weight": 0.05 * torch.randn(4, hidden, hidden, generator=generator),
-              "blocks.bias": torch.zeros(4, hidden), "vocab": ids}  # fmt: skip
+    medusa = {
+        "blocks.weight": 0.05 * torch.randn(4, hidden, hidden, generator=generator),
+        "blocks.bias": torch.zeros(4, hidden),
+        "vocab": ids,
+    }
     mtpc = {**init_tensors(3, 3, 4, hidden, seed=0), "vocab": ids}
     eagle = head_tensors(build_head(loaded, ids))
     paths = {}
@@ -127,8 +141,10 @@ def main() -> int:
                 return True, f"{n / (time.perf_counter() - start):.1f} tok/s"
 
             check(rows, f"bench         {name}", speed)
-    print(f"\ngpu-check on {device} ({torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}), torch "
-          f"{torch.__version__}")  # fmt: skip
+    print(
+        f"\ngpu-check on {device} ({torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}), torch "
+        f"{torch.__version__}"
+    )
     for label, status, detail, seconds in rows:
         print(f"{label:30s} {status:5s} {detail:45s} {seconds:6.1f} s")
     return 0 if all(status == "ok" for _, status, _, _ in rows) else 1

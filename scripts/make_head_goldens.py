@@ -46,9 +46,11 @@ def setup() -> None:
     """Create the side venv sharing the lab venv's torch (module docstring)."""
     subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
     site = subprocess.run(
-        [sys.executable, "-c", "import site; print(site.getsitepackages()[0])"], check=True, capture_output=True,
+        [sys.executable, "-c", "import site; print(site.getsitepackages()[0])"],
+        check=True,
+        capture_output=True,
         text=True,
-    ).stdout.strip()  # fmt: skip
+    ).stdout.strip()
     py = f"python{sys.version_info.major}.{sys.version_info.minor}"
     (VENV / "lib" / py / "site-packages" / "zz_lab_venv.pth").write_text(site + "\n")
     pip = [str(VENV / "bin" / "pip"), "install", "-q"]
@@ -104,8 +106,12 @@ def speculators_step_logits(model, fused, tokens) -> list:
     captured = []
     hook = model.lm_head.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()[0].clone()))
     with torch.no_grad():
-        model(hidden_states=fused[None], input_ids=tokens[None], document_ids=torch.zeros(1, len(tokens),
-              dtype=torch.long), ttt_steps=2)  # fmt: skip
+        model(
+            hidden_states=fused[None],
+            input_ids=tokens[None],
+            document_ids=torch.zeros(1, len(tokens), dtype=torch.long),
+            ttt_steps=2,
+        )
     hook.remove()
     return [rounded(step.softmax(-1)) for step in captured]
 
@@ -175,15 +181,19 @@ def eagle3_goldens(work: Path) -> dict[str, dict]:
     )
     # SafeAILab's EAGLE-3 layout through speculators' own converter (midlayer.* -> layers.0.*)
     safeai = ckpt.write("eagle3", work / "eagle3", d, seed=13, layer_ids=[2, 4, 5], pickle=False)
-    Eagle3Converter().convert(safeai, work / "converted", base_model=str(verifier), validate=False,
-                              eagle_aux_hidden_state_layer_ids=[2, 4, 5])  # fmt: skip
+    Eagle3Converter().convert(
+        safeai, work / "converted", base_model=str(verifier), validate=False, eagle_aux_hidden_state_layer_ids=[2, 4, 5]
+    )
     import torch
 
     converted = load_speculators(work / "converted")  # its embedding is the verifier's (the target's)
     assert_loaded(converted, safeai / "model.safetensors", lambda n: n.replace("midlayer.", "layers.0."))
-    out["eagle3"] = {"reference": f"{version} Eagle3Converter + Eagle3DraftModel", "seed": 13,
-                     "steps": speculators_step_logits(converted, fused, tokens),
-                     "draft_ids": (converted.d2t + torch.arange(d["draft_vocab"])).tolist()}  # fmt: skip
+    out["eagle3"] = {
+        "reference": f"{version} Eagle3Converter + Eagle3DraftModel",
+        "seed": 13,
+        "steps": speculators_step_logits(converted, fused, tokens),
+        "draft_ids": (converted.d2t + torch.arange(d["draft_vocab"])).tolist(),
+    }
     return out
 
 
@@ -198,9 +208,11 @@ def medusa_golden(work: Path) -> dict:
     folder = ckpt.write("medusa", work / "medusa", d, seed=14, medusa_heads=heads, medusa_layers=layers)
     # MedusaModel.__init__'s container, built the same way (it needs a base model and tokenizer otherwise)
     medusa_head = nn.ModuleList(
-        [nn.Sequential(*([ResBlock(d["hidden"])] * layers), nn.Linear(d["hidden"], d["vocab"], bias=False))
-         for _ in range(heads)]
-    )  # fmt: skip
+        [
+            nn.Sequential(*([ResBlock(d["hidden"])] * layers), nn.Linear(d["hidden"], d["vocab"], bias=False))
+            for _ in range(heads)
+        ]
+    )
     missing, unexpected = medusa_head.load_state_dict(torch.load(str(folder / "medusa_lm_head.pt")), strict=False)
     assert not missing and not unexpected, (missing, unexpected)
     h, _ = ckpt.golden_inputs(d["hidden"], d, length=2)

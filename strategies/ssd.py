@@ -63,9 +63,12 @@ def ssd_loop(
     """The chain loop over `proposer`, scheduled by SSD's speculator (its thread starts with the first event)."""
     settings = chain_settings(params)
     ssd = SSDSettings(
-        params.fanout, params.draft_threads, params.target_threads, params.max_new_tokens,
+        params.fanout,
+        params.draft_threads,
+        params.target_threads,
+        params.max_new_tokens,
         lambda gamma, drafted, accepted: next_gamma(gamma, drafted, accepted, settings),
-    )  # fmt: skip
+    )
     model_drafter = params.drafter != "prompt-lookup"
     schedule = SSDSchedule(
         proposer, settings.config, loaded.eos_token_ids, ssd, generator, model_drafter, len(prompt_ids)

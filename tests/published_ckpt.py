@@ -52,12 +52,25 @@ def _attention(g, prefix: str, d: dict, inputs: int, qkv_bias: bool) -> dict[str
 def llama_config(d: dict, **extra) -> dict:
     """The Llama keys SafeAILab's configs carry (EConfig / LlamaConfig)."""
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": d["hidden"], "intermediate_size": d["intermediate"], "num_attention_heads": d["heads"],
-        "num_key_value_heads": d["kv_heads"], "num_hidden_layers": 1, "vocab_size": d["vocab"],
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "pad_token_id": 0,
-        "bos_token_id": 1, "eos_token_id": 0, "tie_word_embeddings": False, "torch_dtype": "float16", **extra,
-    }  # fmt: skip
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": d["hidden"],
+        "intermediate_size": d["intermediate"],
+        "num_attention_heads": d["heads"],
+        "num_key_value_heads": d["kv_heads"],
+        "num_hidden_layers": 1,
+        "vocab_size": d["vocab"],
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        **extra,
+    }
 
 
 def draft_ids(d: dict, seed: int) -> torch.Tensor:
@@ -131,17 +144,29 @@ def speculators_config(d: dict, layer_ids: list[int] | None) -> dict:
     }
     proposal = {"accept_tolerance": 0.0, "proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1}
     return {
-        "architectures": ["Eagle3DraftModel"], "auto_map": {"": "config.Eagle3SpeculatorConfig"},
-        "draft_vocab_size": d["draft_vocab"], "dtype": "float16", "eagle_aux_hidden_state_layer_ids": layer_ids,
-        "embed_requires_grad": False, "fc_norm": False, "norm_before_fc": False, "norm_before_residual": False,
+        "architectures": ["Eagle3DraftModel"],
+        "auto_map": {"": "config.Eagle3SpeculatorConfig"},
+        "draft_vocab_size": d["draft_vocab"],
+        "dtype": "float16",
+        "eagle_aux_hidden_state_layer_ids": layer_ids,
+        "embed_requires_grad": False,
+        "fc_norm": False,
+        "norm_before_fc": False,
+        "norm_before_residual": False,
         "norm_output": False,
         "speculators_config": {
-            "algorithm": "eagle3", "default_proposal_method": "greedy", "proposal_methods": [proposal],
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [proposal],
             "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": None},
         },
-        "speculators_model_type": "eagle3", "speculators_version": "0.9.0", "target_hidden_size": None,
-        "tie_word_embeddings": False, "transformer_layer_config": layer, "transformers_version": "5.19.0",
-    }  # fmt: skip
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.9.0",
+        "target_hidden_size": None,
+        "tie_word_embeddings": False,
+        "transformer_layer_config": layer,
+        "transformers_version": "5.19.0",
+    }
 
 
 def write(
@@ -176,8 +201,12 @@ def write(
             tensors["embed_tokens.weight"] = embed.to(torch.float16).clone()
         weights = "model.safetensors"
     elif layout == "medusa":
-        config = {"medusa_num_heads": medusa_heads, "medusa_num_layers": medusa_layers,
-                  "base_model_name_or_path": "tiny", "architectures": ["MedusaModel"]}  # fmt: skip
+        config = {
+            "medusa_num_heads": medusa_heads,
+            "medusa_num_layers": medusa_layers,
+            "base_model_name_or_path": "tiny",
+            "architectures": ["MedusaModel"],
+        }
         tensors = medusa_tensors(d, seed, medusa_heads, medusa_layers)
         weights = "medusa_lm_head.pt" if pickle else "medusa_lm_head.safetensors"
     else:

@@ -304,13 +304,37 @@ def test_expected_speedup_formula():
 
 
 ROWS = [
-    {"name": "greedy", "family": "baseline", "tokens_per_s": 40.0, "speedup": 1.0, "quality": -0.4,
-     "acceptance_rate": None, "mean_accepted_length": None, "gamma": None},
-    {"name": "speculative", "family": "speculative", "tokens_per_s": 52.0, "speedup": 1.3, "quality": -0.4,
-     "acceptance_rate": 0.62, "mean_accepted_length": 2.1, "gamma": 6},
-    {"name": "sample", "family": "baseline", "tokens_per_s": 38.0, "speedup": 0.95, "quality": None,
-     "acceptance_rate": None, "mean_accepted_length": None, "gamma": None},
-]  # fmt: skip
+    {
+        "name": "greedy",
+        "family": "baseline",
+        "tokens_per_s": 40.0,
+        "speedup": 1.0,
+        "quality": -0.4,
+        "acceptance_rate": None,
+        "mean_accepted_length": None,
+        "gamma": None,
+    },
+    {
+        "name": "speculative",
+        "family": "speculative",
+        "tokens_per_s": 52.0,
+        "speedup": 1.3,
+        "quality": -0.4,
+        "acceptance_rate": 0.62,
+        "mean_accepted_length": 2.1,
+        "gamma": 6,
+    },
+    {
+        "name": "sample",
+        "family": "baseline",
+        "tokens_per_s": 38.0,
+        "speedup": 0.95,
+        "quality": None,
+        "acceptance_rate": None,
+        "mean_accepted_length": None,
+        "gamma": None,
+    },
+]
 
 
 def test_measure_figures_draw_only_measured_values():

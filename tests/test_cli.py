@@ -54,9 +54,21 @@ def test_list_text_groups_by_family(capsys: pytest.CaptureFixture[str]) -> None:
 def test_run_json_and_trace(tmp_path: Path) -> None:
     trace_file = tmp_path / "run.json"
     result = run_lab(
-        "run", "--strategy", "greedy", "--prompt", "Name a colour.", "--max-new-tokens", "8",
-        "--json", "--dtype", "float32", "--device", "cpu", "--trace", str(trace_file),
-    )  # fmt: skip
+        "run",
+        "--strategy",
+        "greedy",
+        "--prompt",
+        "Name a colour.",
+        "--max-new-tokens",
+        "8",
+        "--json",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--trace",
+        str(trace_file),
+    )
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     payload = json.loads(result.stdout)  # exactly one JSON object on stdout

@@ -90,8 +90,9 @@ def draw(loaded: LoadedModel, proposer: Proposer, settings: TreeSettings) -> tup
     return samples, depths
 
 
-def check_lossless_and_control(monkeypatch, loaded: LoadedModel, proposer: Proposer, settings: TreeSettings,
-                               wrong_rule) -> None:  # fmt: skip
+def check_lossless_and_control(
+    monkeypatch, loaded: LoadedModel, proposer: Proposer, settings: TreeSettings, wrong_rule
+) -> None:
     """The real rule passes the chi-square check with deep acceptances; `wrong_rule` in its place fails it."""
     assert settings.rule == "sample" and settings.max_new_tokens == 4
     joint = exact_joint(loaded, settings.config)

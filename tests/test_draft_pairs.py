@@ -39,10 +39,17 @@ def byte_tokenizer(seed: int | None) -> PreTrainedTokenizerFast:
 def save_model(folder, seed: int, tokenizer, layers: int = 2) -> str:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2, bos_token_id=1,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=2,
+        bos_token_id=1,
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     LlamaForCausalLM(config).save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
     return str(folder)
@@ -106,6 +113,10 @@ def test_models_doc_covers_every_strategy_and_every_head_layout() -> None:
     table = text.split("## Draft heads")[0].lower()
     labels = {"tot": "tree of thoughts", "rlm": "recursive lm", "speculative": "speculative, ssd", "ssd": "ssd"}
     assert all(labels.get(name, name) in table for name in REGISTRY), "a strategy is missing from docs/models.md"
-    named = {"eagle": "SafeAILab EAGLE-1/2", "eagle3": "SafeAILab EAGLE-3", "speculators-eagle3": "speculators",
-             "medusa": "FasterDecoding Medusa"}  # fmt: skip
+    named = {
+        "eagle": "SafeAILab EAGLE-1/2",
+        "eagle3": "SafeAILab EAGLE-3",
+        "speculators-eagle3": "speculators",
+        "medusa": "FasterDecoding Medusa",
+    }
     assert set(named) == set(LAYOUTS) and all(label in text for label in named.values())

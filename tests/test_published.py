@@ -34,10 +34,16 @@ LAYOUTS = ("eagle", "eagle3", "speculators-eagle3", "medusa")
 def tiny_qwen2(seed: int = 0):
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=D["vocab"], hidden_size=D["hidden"], intermediate_size=D["intermediate"],
-        num_hidden_layers=D["layers"], num_attention_heads=D["heads"], num_key_value_heads=D["kv_heads"],
-        max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=0,
-    )  # fmt: skip
+        vocab_size=D["vocab"],
+        hidden_size=D["hidden"],
+        intermediate_size=D["intermediate"],
+        num_hidden_layers=D["layers"],
+        num_attention_heads=D["heads"],
+        num_key_value_heads=D["kv_heads"],
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=0,
+    )
     return Qwen2ForCausalLM(config).eval()
 
 
@@ -215,8 +221,10 @@ def test_first_draft_is_the_heads_top_k_over_the_whole_prompt(target, layout, tm
     folder = write(layout, tmp_path / layout, target)
     head = published_build.cached("eagle", target, str(folder))
     stored = detect(folder).tensors
-    names = {"eagle": lambda n: n.replace("layers.0.", "layer."), "speculators-eagle3": lambda n: n.replace(
-        "layers.0.", "midlayer.")}.get(layout, lambda n: n)  # fmt: skip
+    names = {
+        "eagle": lambda n: n.replace("layers.0.", "layer."),
+        "speculators-eagle3": lambda n: n.replace("layers.0.", "midlayer."),
+    }.get(layout, lambda n: n)
     state = head.state_dict()
     for name, t in stored.items():
         if name != "embed_tokens.weight":
@@ -319,9 +327,15 @@ def test_a_narrower_eagle3_draft_brings_its_own_embedding(target, tmp_path) -> N
 def test_eagle3_layout_on_the_embedded_model(embedded, tmp_path) -> None:
     """A SafeAILab EAGLE-3 checkpoint (pickle, as yuhuili's) for SmolLM2-135M's shape: greedy EAGLE = greedy."""
     c = embedded.config
-    dims = {"hidden": c.hidden_size, "intermediate": c.intermediate_size, "heads": c.num_attention_heads,
-            "kv_heads": c.num_key_value_heads, "vocab": embedded.vocab_size, "layers": embedded.num_layers,
-            "draft_vocab": 4096}  # fmt: skip
+    dims = {
+        "hidden": c.hidden_size,
+        "intermediate": c.intermediate_size,
+        "heads": c.num_attention_heads,
+        "kv_heads": c.num_key_value_heads,
+        "vocab": embedded.vocab_size,
+        "layers": embedded.num_layers,
+        "draft_vocab": 4096,
+    }
     folder = ckpt.write("eagle3", tmp_path / "smollm2-eagle3", dims)
     head = published_build.cached("eagle", embedded, str(folder))
     assert head.layer_ids == [2, 15, 27]  # 2, L // 2, L - 3 of a 30-layer model

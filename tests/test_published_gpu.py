@@ -33,8 +33,11 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module", params=[("llama", torch.float32), ("qwen2", torch.float32), ("llama", torch.bfloat16)],
-                ids=["llama-fp32", "qwen2-fp32", "llama-bf16"])  # fmt: skip
+@pytest.fixture(
+    scope="module",
+    params=[("llama", torch.float32), ("qwen2", torch.float32), ("llama", torch.bfloat16)],
+    ids=["llama-fp32", "qwen2-fp32", "llama-bf16"],
+)
 def target(request):
     family, dtype = request.param
     model = tiny_llama(seed=5, layers=D["layers"], hidden=D["hidden"]) if family == "llama" else tiny_qwen2(6)

@@ -43,8 +43,10 @@ def _zero_biases(loaded: LoadedModel, config: dict, tensors: dict[str, torch.Ten
     """Zero biases for what the config says the head has not, where the lab's layer (the target's class) has them."""
     attn = loaded.model.get_decoder().layers[0].self_attn
     wanted = [("fc", not config.get("bias", True))]
-    wanted += [(f"layer.self_attn.{p}_proj", getattr(attn, f"{p}_proj").bias is not None and not config.get(
-        "qkv_bias", False)) for p in ("q", "k", "v")]  # fmt: skip
+    wanted += [
+        (f"layer.self_attn.{p}_proj", getattr(attn, f"{p}_proj").bias is not None and not config.get("qkv_bias", False))
+        for p in ("q", "k", "v")
+    ]
     for name, zero in wanted:
         if zero and f"{name}.weight" in tensors and f"{name}.bias" not in tensors:
             tensors[f"{name}.bias"] = torch.zeros(
@@ -55,11 +57,17 @@ def _zero_biases(loaded: LoadedModel, config: dict, tensors: dict[str, torch.Ten
 def eagle_head(loaded: LoadedModel, published: Published) -> EagleHead:
     """SafeAILab EAGLE-1/2 -> EagleHead over the full vocabulary (module docstring)."""
     c = published.config
-    check_target(published, loaded, {
-        "hidden size": c.get("hidden_size"), "vocabulary": c.get("vocab_size"),
-        "intermediate size": c.get("intermediate_size"), "attention heads": c.get("num_attention_heads"),
-        "key/value heads": c.get("num_key_value_heads"),
-    })  # fmt: skip
+    check_target(
+        published,
+        loaded,
+        {
+            "hidden size": c.get("hidden_size"),
+            "vocabulary": c.get("vocab_size"),
+            "intermediate size": c.get("intermediate_size"),
+            "attention heads": c.get("num_attention_heads"),
+            "key/value heads": c.get("num_key_value_heads"),
+        },
+    )
     if any(n.startswith("layers.") and not n.startswith("layers.0.") for n in published.tensors):
         raise InputError(f"{published.weights} has more than one draft layer; the lab's EAGLE head has one.")
     require(published, ["fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"])
@@ -95,8 +103,10 @@ def speculators_config(published: Published) -> tuple[dict, dict[str, torch.Tens
     for key in ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm", "eagle_aux_hidden_state_layer_ids"):
         if c.get(key) is not None:
             config[key] = c[key]
-    tensors = {("midlayer." + n[len("layers.0.") :]) if n.startswith("layers.0.") else n: t
-               for n, t in published.tensors.items()}  # fmt: skip
+    tensors = {
+        ("midlayer." + n[len("layers.0.") :]) if n.startswith("layers.0.") else n: t
+        for n, t in published.tensors.items()
+    }
     return config, tensors
 
 
@@ -111,10 +121,14 @@ def eagle3_head(loaded: LoadedModel, published: Published) -> Eagle3Head:
     require(published, ["fc.weight", "lm_head.weight", "norm.weight"])
     ids = config.get("eagle_aux_hidden_state_layer_ids") or _default_ids(published, loaded)
     check_layer_ids(published, loaded, [int(i) for i in ids])
-    check_target(published, loaded, {
-        "hidden size": config.get("target_hidden_size") or config.get("hidden_size"),
-        "vocabulary": config.get("vocab_size") or (tensors["t2d"].numel() if "t2d" in tensors else None),
-    })  # fmt: skip
+    check_target(
+        published,
+        loaded,
+        {
+            "hidden size": config.get("target_hidden_size") or config.get("hidden_size"),
+            "vocabulary": config.get("vocab_size") or (tensors["t2d"].numel() if "t2d" in tensors else None),
+        },
+    )
     config["eagle_aux_hidden_state_layer_ids"] = [int(i) for i in ids]
     embed = loaded.embeddings
     if int(config.get("hidden_size", 0)) != int(loaded.config.hidden_size):  # a draft narrower than the target

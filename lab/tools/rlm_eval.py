@@ -109,10 +109,21 @@ def _one(loaded: LoadedModel, kind: str, size: int, seed: int, extra: dict | Non
         keep.append((kind, seed, result.correct, events, dataclasses.asdict(params)))
     answer, direct_tokens, visible, direct_s = run_direct(loaded, task)
     return TaskRun(
-        kind, seed, context.context_tokens, task.answer, result.answer, bool(result.correct), result.tokens,
-        round(rlm_s, 2), result.sub_calls, answer.strip()[:40], answer_matches(answer, task.answer), direct_tokens,
-        round(direct_s, 2), visible,
-    )  # fmt: skip
+        kind,
+        seed,
+        context.context_tokens,
+        task.answer,
+        result.answer,
+        bool(result.correct),
+        result.tokens,
+        round(rlm_s, 2),
+        result.sub_calls,
+        answer.strip()[:40],
+        answer_matches(answer, task.answer),
+        direct_tokens,
+        round(direct_s, 2),
+        visible,
+    )
 
 
 def evaluate(

@@ -121,8 +121,10 @@ def train(
     held_rows = data.held_out()
     held = [s for s in spans if bool(held_rows[s[1]])][:400]
     train_spans = [s for s in spans if not bool(held_rows[s[1]])]
-    log(f"EAGLE-3: layers {head.layer_ids}, draft vocabulary {vocab.numel()} ids, unroll {options.unroll}; "
-        f"{len(train_spans)} training sequences, {len(held)} held out")  # fmt: skip
+    log(
+        f"EAGLE-3: layers {head.layer_ids}, draft vocabulary {vocab.numel()} ids, unroll {options.unroll}; "
+        f"{len(train_spans)} training sequences, {len(held)} held out"
+    )
     params = {name: p for name, p in head.named_parameters() if p.requires_grad}
     optimizer = torch.optim.AdamW(list(params.values()), lr=options.lr, weight_decay=0.0)
     checkpoint = checkpoint or Checkpoint(None, {}, log)

@@ -221,8 +221,10 @@ def train(
         ends = torch.tensor([b - a for _, a, b in train_spans]).cumsum(0)
         train_spans = train_spans[: max(1, int((ends <= options.tokens).sum()))]
     covered = float(data.token_frequencies(loaded.vocab_size)[vocab].sum()) / data.rows
-    log(f"draft vocabulary {vocab.numel()} ids ({covered:.1%} of response tokens); {len(train_spans)} training "
-        f"sequences, {len(held)} held out")  # fmt: skip
+    log(
+        f"draft vocabulary {vocab.numel()} ids ({covered:.1%} of response tokens); {len(train_spans)} training "
+        f"sequences, {len(held)} held out"
+    )
     generator = torch.Generator().manual_seed(options.seed)
     autocast = loaded.device.type == "cpu"
     per_epoch = len(group(train_spans, options.batch_size, None))
@@ -251,8 +253,10 @@ def train(
             step += 1
             if step % 20 == 0 or step == steps:
                 mean = torch.tensor(running).mean(0).tolist()
-                log(f"step {step}/{steps} reg {mean[0]:.4f} ce {mean[1]:.3f} top1 {mean[2]:.3f} "
-                    f"({time.perf_counter() - start:.0f} s)")  # fmt: skip
+                log(
+                    f"step {step}/{steps} reg {mean[0]:.4f} ce {mean[1]:.3f} top1 {mean[2]:.3f} "
+                    f"({time.perf_counter() - start:.0f} s)"
+                )
                 running = []
             if step % per_epoch == 0 or step % options.eval_every == 0 or step == steps:
                 metrics = evaluate(head.eval(), data, rows, held)

@@ -91,8 +91,9 @@ class MedusaProposer:
         choices = prune_choices(self.heads.choices, self.tree_nodes, context.gamma, self.heads.num_heads)
         draft = tree_from_choices(choices, lambda prefix: probs[len(prefix)], self.heads.vocab, context.eos_token_ids)
         top_ids, top_probs = head_top(probs, self.heads.vocab)
-        return Draft(draft.tokens, draft.parents, q_token=draft.q_token, ranks=draft.ranks, top_ids=top_ids,
-                     top_probs=top_probs)  # fmt: skip
+        return Draft(
+            draft.tokens, draft.parents, q_token=draft.q_token, ranks=draft.ranks, top_ids=top_ids, top_probs=top_probs
+        )
 
     def close(self) -> None:
         self.hidden = None

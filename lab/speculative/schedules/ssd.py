@@ -248,8 +248,16 @@ class SSDSettings:
 class SSDSchedule:
     """SSD as a schedule of the chain loop (module docstring): speculation cache, drafter thread, thread split."""
 
-    def __init__(self, proposer: Proposer, config: SamplingConfig, eos: tuple[int, ...], settings: SSDSettings,
-                 generator: torch.Generator, model_drafter: bool, prompt_length: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        proposer: Proposer,
+        config: SamplingConfig,
+        eos: tuple[int, ...],
+        settings: SSDSettings,
+        generator: torch.Generator,
+        model_drafter: bool,
+        prompt_length: int,
+    ) -> None:
         self.proposer, self.settings, self.fanout = proposer, settings, settings.fanout
         self.prompt_length, self.text_of = prompt_length, str
         self.clock = time.perf_counter()
@@ -311,12 +319,23 @@ class SSDSchedule:
         keys = list(job.cache)
         hit = self.cached is not None
         event = SpeculationRound(
-            step=step, hit=hit, accepted=k, token=token, token_text=self.text_of(token),
-            cached_tokens=self.used[0], extended=self.used[1], branches=sum(job.fanout), completed=job.completed,
-            fanout=list(job.fanout), planned=list(job.planned), keys_k=[key[0] for key in keys],
-            keys_tokens=[key[1] for key in keys], keys_texts=[self.text_of(key[1]) for key in keys],
-            hit_rank=keys.index((k, token)) if hit else -1, alpha=round(job.alpha, 4),
-        )  # fmt: skip
+            step=step,
+            hit=hit,
+            accepted=k,
+            token=token,
+            token_text=self.text_of(token),
+            cached_tokens=self.used[0],
+            extended=self.used[1],
+            branches=sum(job.fanout),
+            completed=job.completed,
+            fanout=list(job.fanout),
+            planned=list(job.planned),
+            keys_k=[key[0] for key in keys],
+            keys_tokens=[key[1] for key in keys],
+            keys_texts=[self.text_of(key[1]) for key in keys],
+            hit_rank=keys.index((k, token)) if hit else -1,
+            alpha=round(job.alpha, 4),
+        )
         worker = [PipelineSpan(step, "drafter", w, round(a, 6), round(b, 6), "worker", d) for w, d, a, b in job.spans]
         self.job = None
         return [event, *self.spans, *worker]

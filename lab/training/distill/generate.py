@@ -176,6 +176,10 @@ def run_distill(loaded: LoadedModel, settings: DistillSettings, out_dir: Path, p
         new = _save_shard(shard, records)
         tokens += new
         rate, overall = new / (time.perf_counter() - t0), tokens / (time.perf_counter() - start)
-        progress(index + 1, total, f"{shard.name}: {len(batch)} prompts, {new} response tokens, {rate:.1f} tok/s "
-                 f"(this run: {tokens} tokens, {overall:.1f} tok/s)")  # fmt: skip
+        progress(
+            index + 1,
+            total,
+            f"{shard.name}: {len(batch)} prompts, {new} response tokens, {rate:.1f} tok/s "
+            f"(this run: {tokens} tokens, {overall:.1f} tok/s)",
+        )
     return out_dir
