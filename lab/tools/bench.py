@@ -59,8 +59,8 @@ from lab.trace import Stats, TokenEmitted, speculation_stats, summarize
 
 MAX_REPEAT = 100
 WARMUP_TOKENS = 16
-COLUMNS = ("strategy", "median tok/s", "speedup vs first", "prefill ms", "decode tok/s", "decode vs first")
-COLUMNS += ("tokens", "forwards/token", "notes")
+COLUMNS = ("strategy", "median tok/s", "speedup vs first", "prefill ms", "decode tok/s", "decode vs first", "tokens")
+COLUMNS += ("forwards/token", "notes")
 
 Progress = Callable[[int, int, str], None]
 Timer = Callable[[int, list[int]], RunSample]  # (prompt index, prompt ids) -> one timed run
@@ -79,14 +79,14 @@ class BenchRow:
     metrics: dict[str, float] = field(default_factory=dict)  # mean of every numeric Stats field
     notes: str = ""
     precision: str = ""  # weight format of the model the row ran on ("" for llama.cpp: the GGUF as stored)
-    # prefill (prompt to first token) and decode-only figures (`lab.tools.bench_stats`); decode_speedup is the
-    # ratio of decode medians against the first row; intervals: bootstrap 95% over prompts (None: first row or
-    # fewer than two prompts)
+    # prefill and decode-only figures, ratios' bootstrap intervals (None: first row, one prompt): bench_stats
     median_prefill_ms: float = 0.0
     median_decode_tokens_per_s: float = 0.0
     decode_speedup: float = 1.0
     speedup_interval: list[float] | None = None
     decode_speedup_interval: list[float] | None = None
+    dtype: str = ""  # activation dtype of the row's model ("" for llama.cpp)
+    choice: str = ""  # how the row's model got its dtype and precision, and why (lab.engine.defaults)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -281,6 +281,7 @@ def _config(loaded: LoadedModel, prompts_source: str, n_prompts: int, **settings
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "precision": loaded.precision,
+        "choice": loaded.choice,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
@@ -358,6 +359,9 @@ def run_bench(
         rows.append(_aggregate(name, runs, reference, notes.get(name, "")))
         own = requests[name][0].precision if name in requests else loaded.precision
         rows[-1].precision = "" if name == LLAMA_CPP_ROW else own
+        row_model = models[requests[name][0].precision] if name in requests else loaded
+        if name != LLAMA_CPP_ROW:
+            rows[-1].dtype, rows[-1].choice = str(row_model.dtype).removeprefix("torch."), row_model.choice
         first_decode = rows[0].median_decode_tokens_per_s if len(rows) > 1 else None
         vars(rows[-1]).update(split_fields(runs, next(iter(samples.values())), len(prompt_ids), first_decode))
     settings = {"strategies": list(requests), "max_new_tokens": max_new_tokens, "repeat": repeat, "seed": seed}
@@ -375,9 +379,12 @@ def format_table(result: BenchResult) -> str:
         f"otherwise, {c['threads']} threads{native}), {c['n_prompts']} prompts x "
         f"{c['repeat']} repeat(s), max_new_tokens={c['max_new_tokens']}\n\n"
     )
+    if c.get("choice"):
+        head += f"dtype and precision: {c['choice']}\n\n"
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
     for row in result.rows:
-        notes = "; ".join(part for part in (row.notes, _extra_metrics_note(row)) if part)
+        own = f"model: {row.choice}" if row.choice and row.choice != c.get("choice") else ""
+        notes = "; ".join(part for part in (row.notes, own, _extra_metrics_note(row)) if part)
         cells = (
             row.name,
             f"{row.median_tokens_per_s:.2f}",
