@@ -45,6 +45,8 @@ def test_run_bench_rows_and_table(embedded) -> None:
         assert row.median_prefill_ms > 0 and row.median_decode_tokens_per_s > 0  # the split of every row
         assert (row.speedup_interval is None) == (row is result.rows[0])  # 2 prompts: intervals past the first
     assert result.config["n_prompts"] == 2 and result.config["dtype"] == "float32"
+    assert result.config["choice"].endswith("as requested") and all(row.choice for row in result.rows)
+    assert "dtype and precision: float32 activations, float weights" in format_table(result)
     assert calls[-1][:2] == (6, 6) and "prompt 2/2" in calls[-1][2]  # round-robin: hf-generate last
     assert [c[2].split()[0] for c in calls[1:4]] == names
     table = format_table(result)

@@ -150,3 +150,19 @@ def test_the_cache_times_real_decode_steps_once_and_records_the_choice(monkeypat
     assert cache.known_choice("tiny", "cpu", "float32", "auto") is None  # never asked: nothing chosen
     with pytest.raises(ModelLoadError, match="dtype"):
         cache.get("tiny", "cpu", "int4", "auto")
+
+
+def test_the_app_records_the_choice_of_a_loaded_request(monkeypatch) -> None:
+    from lab.app import runner
+    from lab.app.validation import validate_request
+
+    monkeypatch.setattr(defaults, "cpu_features", lambda: NATIVE_BF16)
+    monkeypatch.setattr(runner, "MODEL_CACHE", _TinyCache())
+    request = validate_request("greedy", "hi", {}, model="tiny", device="cpu")  # dtype and precision auto
+    trace = runner.new_trace(request)
+    runner.record_choice(trace, request)  # not loaded yet: nothing to record
+    assert (trace.dtype, trace.precision, trace.choice) == ("", "", "")
+    loaded = runner.MODEL_CACHE.get("tiny", "cpu", "auto", "auto")
+    runner.record_choice(trace, request)
+    assert (trace.dtype, trace.precision) == ("bfloat16", "int4") and trace.choice == loaded.choice
+    assert runner.new_trace(request, loaded).choice == loaded.choice
