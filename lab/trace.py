@@ -4,7 +4,8 @@ Events are frozen dataclasses of plain Python values (ints, floats, strings, lis
 step index. Strategies emit them, visualizers and stats read them. This module imports neither torch nor
 gradio, so visualizers can depend on it alone.
 A trace file is JSON: {"format", "version", "strategy", "model", "prompt", "params", "events": [{"kind", ...}]},
-plus the optional "dtype" and "precision" (weight format, `lab.engine.quant`) of the run when they are known.
+plus the optional "dtype" and "precision" (weight format, `lab.engine.quant`) of the run when they are known, and
+"choice": how they were chosen when either was "auto", with the reason (`lab.engine.defaults`).
 Loading checks the size, the nesting depth, the version, every event kind and every field's type, and never
 unpickles anything. Detail kinds of later strategies register themselves with `@event_kind`.
 """
@@ -566,6 +567,7 @@ class Trace:
     events: list[Event] = field(default_factory=list)
     dtype: str = ""  # e.g. bfloat16 ("" when not recorded)
     precision: str = ""  # weight format of the linears: bf16 (float weights), int8, int4 or a requested "auto"
+    choice: str = ""  # how dtype and precision were chosen, and why ("" when not recorded)
     # where this run branched from another (lab.app.branching.branch_record); None for a run from the prompt
     branch: dict | None = None
 
@@ -593,7 +595,7 @@ def to_json(trace: Trace) -> str:
         "params": trace.params,
         "events": [event_to_dict(e) for e in trace.events],
     }
-    payload |= {key: value for key in ("dtype", "precision") if (value := getattr(trace, key))}
+    payload |= {key: value for key in ("dtype", "precision", "choice") if (value := getattr(trace, key))}
     if trace.branch is not None:  # optional: traces without it (all older ones) load as before
         payload["branch"] = trace.branch
     return json.dumps(payload, ensure_ascii=False, allow_nan=False)
@@ -692,13 +694,14 @@ def from_json(text: str | bytes) -> Trace:
             raise TraceError(f"field {key!r} must be a {kind.__name__}")
     if len(payload["events"]) > MAX_EVENTS:
         raise TraceError(f"trace has {len(payload['events'])} events; the limit is {MAX_EVENTS}")
-    for key in ("dtype", "precision"):
-        if not isinstance(payload.get(key, ""), str) or len(payload.get(key, "")) > 40:
-            raise TraceError(f"field {key!r} must be a short string")
+    for key, limit in (("dtype", 40), ("precision", 40), ("choice", 400)):
+        if not isinstance(payload.get(key, ""), str) or len(payload.get(key, "")) > limit:
+            raise TraceError(f"field {key!r} must be a string of at most {limit} characters")
     branch = payload.get("branch")
     if branch is not None and not isinstance(branch, dict):
         raise TraceError("field 'branch' must be an object")
     events = [event_from_dict(item, i) for i, item in enumerate(payload["events"])]
     trace = Trace(payload["strategy"], payload["model"], payload["prompt"], payload["params"], events, branch=branch)
     trace.dtype, trace.precision = payload.get("dtype", ""), payload.get("precision", "")
+    trace.choice = payload.get("choice", "")
     return trace

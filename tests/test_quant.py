@@ -121,7 +121,7 @@ def test_quantized_copy_replaces_the_linears_and_keeps_a_tied_embedding() -> Non
     assert precision_of(model) == "bf16"  # the original is untouched
 
 
-def test_resolve_precision_measures_auto_on_cpu_and_refuses_low_bit_on_gpus() -> None:
+def test_resolve_precision_chooses_auto_on_cpu_and_refuses_low_bit_on_gpus() -> None:
     cpu = torch.device("cpu")
     assert resolve_precision("int8", cpu, torch.float32) == "int8"
     assert resolve_precision("auto", cpu, torch.bfloat16) in ("bf16", "int8", "int4")

@@ -19,7 +19,7 @@ import gradio as gr
 from lab.app.branching import BranchError, BranchPoint, branch_record
 from lab.app.pacing import REALTIME, STEP, PaceControl, Pacer, PaceRegistry
 from lab.app.presets import MODELS
-from lab.app.runner import new_trace, stream_request
+from lab.app.runner import new_trace, record_choice, stream_request
 from lab.app.shared_runs import Job, QueueFull, RunHub, Waiting, request_key
 from lab.app.validation import RunRequest, validate_request
 from lab.app.zerogpu import gpu_function, zero_gpu_enabled
@@ -172,6 +172,7 @@ def stream_trace(
     finally:
         follow.close()
     status = status or (job.status if job else "")
+    record_choice(trace, request)  # the resolved dtype and precision, and why (the model has loaded by now)
     visible = pacer.visible(trace.events, time.monotonic(), True) if pacer else len(trace.events)
     yield trace_prefix(trace, visible), True, status or pace_text(pacer, [], trace.events, True), trace
 
@@ -231,7 +232,8 @@ def stats_markdown(trace: Trace, status: str = "") -> str:
         rows += [("acceptance α", stats.acceptance_rate), ("τ (tokens/round)", stats.mean_accepted_length)]
     rows.append(("stop", status or stats.stop_reason))
     header = "| " + " | ".join(k for k, _ in rows) + " |\n|" + "---|" * len(rows)
-    return header + "\n| " + " | ".join(str(v) for _, v in rows) + " |"
+    choice = f"\n\n*Model: {trace.choice}*" if trace.choice else ""  # dtype and precision, and why
+    return header + "\n| " + " | ".join(str(v) for _, v in rows) + " |" + choice
 
 
 def stats_line(trace: Trace, status: str = "") -> str:

@@ -13,7 +13,8 @@ import torch
 
 from lab.app.branching import BranchPoint, branch_events
 from lab.app.validation import RunRequest, check_prompt_fits
-from lab.engine.models import LoadedModel, load_model
+from lab.engine.defaults import NAMES
+from lab.engine.models import MODEL_CACHE, LoadedModel, load_model
 from lab.trace import Event, Trace
 
 
@@ -50,12 +51,22 @@ def stream_request(request: RunRequest, point: BranchPoint | None = None) -> Ite
     yield from branch_events(request.strategy.run, loaded, prompt_ids, request.params, generator, point)
 
 
+def record_choice(trace: Trace, request: RunRequest) -> None:
+    """Fill the trace's dtype, precision and choice (how they were chosen, and why) once the request's model has
+    loaded in this process; leaves the trace as it is when it has not (e.g. it loaded in a ZeroGPU worker)."""
+    choice = MODEL_CACHE.known_choice(request.model, request.device, request.dtype, request.precision)
+    if choice is not None:
+        trace.dtype, trace.precision = NAMES.get(choice.dtype, str(choice.dtype)), choice.precision
+        trace.choice = choice.describe()
+
+
 def new_trace(request: RunRequest, loaded: LoadedModel | None = None) -> Trace:
     """An empty trace describing the request (with the resolved dtype and precision once the model is loaded);
     events are appended as they stream."""
     trace = Trace(request.strategy.name, request.model, request.prompt, asdict(request.params))
     if loaded is not None:
         trace.dtype, trace.precision = str(loaded.dtype).removeprefix("torch."), loaded.precision
+        trace.choice = loaded.choice
     return trace
 
 

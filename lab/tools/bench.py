@@ -14,7 +14,10 @@ constant `num_assistant_tokens`), using the speculative (else ssd) row's gamma, 
 is benched (else transformers' defaults: 10 tokens and n-gram 2, or 20 assistant tokens). The HF rows'
 forwards/token count every call of the target module (draft calls too when the assistant is the target). Per row:
 median tokens/s (new tokens / wall time of one run, prefill included), speedup against the first strategy's median,
-mean new tokens, forwards per token and the mean of every other numeric field of `lab.trace.Stats` (plus SSD's
+median prefill ms (prompt to first new token) and median decode-only tokens/s (the tokens after the first over the
+time after it; llama.cpp's both from its own counters), the decode ratio against the first row, bootstrap 95%
+intervals of both ratios over prompts with two or more prompts (`lab.tools.bench_stats`), mean new tokens,
+forwards per token and the mean of every other numeric field of `lab.trace.Stats` (plus SSD's
 `lab.trace.speculation_stats`: cache hit rate, branches per round). Both paths stop at the same EOS ids, and a
 strategy's stop reasons are noted. `--profile` adds one more, untimed pass of every strategy with `lab.engine.profile`'s
 module timer: the share of wall time in target forwards, drafting, acceptance, KV compaction and the rest, and the
@@ -47,14 +50,17 @@ from lab.tools.bench_reference import (  # noqa: I001
     LLAMA_CPP_ROW,
     LlamaCppRow,
     RunSample,
+    decode_rate,
     hf_assist_kwargs,
     time_hf_generate,
 )
+from lab.tools.bench_stats import ratio_cell, split_fields
 from lab.trace import Stats, TokenEmitted, speculation_stats, summarize
 
 MAX_REPEAT = 100
 WARMUP_TOKENS = 16
-COLUMNS = ("strategy", "median tok/s", "speedup vs first", "tokens", "forwards/token", "notes")
+COLUMNS = ("strategy", "median tok/s", "speedup vs first", "prefill ms", "decode tok/s", "decode vs first", "tokens")
+COLUMNS += ("forwards/token", "notes")
 
 Progress = Callable[[int, int, str], None]
 Timer = Callable[[int, list[int]], RunSample]  # (prompt index, prompt ids) -> one timed run
@@ -73,6 +79,14 @@ class BenchRow:
     metrics: dict[str, float] = field(default_factory=dict)  # mean of every numeric Stats field
     notes: str = ""
     precision: str = ""  # weight format of the model the row ran on ("" for llama.cpp: the GGUF as stored)
+    # prefill and decode-only figures, ratios' bootstrap intervals (None: first row, one prompt): bench_stats
+    median_prefill_ms: float = 0.0
+    median_decode_tokens_per_s: float = 0.0
+    decode_speedup: float = 1.0
+    speedup_interval: list[float] | None = None
+    decode_speedup_interval: list[float] | None = None
+    dtype: str = ""  # activation dtype of the row's model ("" for llama.cpp)
+    choice: str = ""  # how the row's model got its dtype and precision, and why (lab.engine.defaults)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -101,13 +115,17 @@ def _numeric_stats(stats: Stats) -> dict[str, float]:
 
 
 def time_strategy(request: RunRequest, loaded: LoadedModel, prompt_ids: list[int]) -> RunSample:
-    """Run one strategy to the end; tokens/s = new_tokens / wall_s as folded by `summarize`."""
+    """Run one strategy to the end; tokens/s = new_tokens / wall_s as folded by `summarize`; prefill = the
+    time of the first token event, decode tokens/s = the other tokens over the rest of the wall time."""
     events = list(stream_run(request, loaded, prompt_ids))
     stats = summarize(events)
     rate = stats.new_tokens / stats.wall_s if stats.wall_s > 0 else 0.0
     metrics = {**_numeric_stats(stats), **speculation_stats(events)}  # SSD: cache hit rate, branches per round
-    tokens = tuple(e.token_id for e in events if isinstance(e, TokenEmitted))
-    return RunSample(rate, stats.new_tokens, metrics, stats.stop_reason, tokens)
+    emitted = [e for e in events if isinstance(e, TokenEmitted)]
+    tokens = tuple(e.token_id for e in emitted)
+    prefill = emitted[0].t if emitted else stats.wall_s  # the first token comes out of the prefill forward
+    split = (prefill, decode_rate(stats.new_tokens, stats.wall_s, prefill))
+    return RunSample(rate, stats.new_tokens, metrics, stats.stop_reason, tokens, *split)
 
 
 def parse_param_overrides(items: list[str]) -> dict[str, dict[str, str]]:
@@ -263,6 +281,7 @@ def _config(loaded: LoadedModel, prompts_source: str, n_prompts: int, **settings
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "precision": loaded.precision,
+        "choice": loaded.choice,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
@@ -340,6 +359,11 @@ def run_bench(
         rows.append(_aggregate(name, runs, reference, notes.get(name, "")))
         own = requests[name][0].precision if name in requests else loaded.precision
         rows[-1].precision = "" if name == LLAMA_CPP_ROW else own
+        row_model = models[requests[name][0].precision] if name in requests else loaded
+        if name != LLAMA_CPP_ROW:
+            rows[-1].dtype, rows[-1].choice = str(row_model.dtype).removeprefix("torch."), row_model.choice
+        first_decode = rows[0].median_decode_tokens_per_s if len(rows) > 1 else None
+        vars(rows[-1]).update(split_fields(runs, next(iter(samples.values())), len(prompt_ids), first_decode))
     settings = {"strategies": list(requests), "max_new_tokens": max_new_tokens, "repeat": repeat, "seed": seed}
     extra = {"params": params or {}, "hf_assist": hf_assist, "llama_cpp": llama_cpp, "native_layers": native}
     config = _config(loaded, prompts, len(texts), **settings, limit=limit, hf=hf, **extra)
@@ -355,13 +379,19 @@ def format_table(result: BenchResult) -> str:
         f"otherwise, {c['threads']} threads{native}), {c['n_prompts']} prompts x "
         f"{c['repeat']} repeat(s), max_new_tokens={c['max_new_tokens']}\n\n"
     )
+    if c.get("choice"):
+        head += f"dtype and precision: {c['choice']}\n\n"
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
     for row in result.rows:
-        notes = "; ".join(part for part in (row.notes, _extra_metrics_note(row)) if part)
+        own = f"model: {row.choice}" if row.choice and row.choice != c.get("choice") else ""
+        notes = "; ".join(part for part in (row.notes, own, _extra_metrics_note(row)) if part)
         cells = (
             row.name,
             f"{row.median_tokens_per_s:.2f}",
-            f"{row.speedup:.3f}x",
+            ratio_cell(row.speedup, row.speedup_interval),
+            f"{row.median_prefill_ms:.1f}",
+            f"{row.median_decode_tokens_per_s:.2f}",
+            ratio_cell(row.decode_speedup, row.decode_speedup_interval),
             f"{row.mean_new_tokens:.1f}",
             f"{row.forwards_per_token:.3f}",
             notes,

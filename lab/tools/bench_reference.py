@@ -5,8 +5,11 @@ prompt lookup or an assistant model, `hf_assist_kwargs`), and the llama.cpp row:
 llama-cpp-python's plain greedy decoding (temperature 0: llama.cpp's greedy sampler) of the same GGUF file on
 the same prompt ids with the same thread count, its KV cache reset before every run so no prompt prefix is
 reused between runs (llama-cpp-python otherwise keeps a matching prefix). Every row stops at the model's EOS
-ids and times prefill plus decoding, like the strategies. llama-cpp-python is an optional extra built from
-source (`make bench-deps`); without it `LlamaCppRow` raises InputError saying how to get it.
+ids and times prefill plus decoding, like the strategies, and splits the two (`RunSample.prefill_s`,
+`decode_tokens_per_s`): hf-generate by a streamer that notes when the first new token arrives, llama.cpp by its
+own performance counters (`llama_perf_context`, or `llama_get_timings` in older bindings: prompt-eval ms, and
+eval ms over eval count). llama-cpp-python is an optional extra built from source (`make bench-deps`); without
+it `LlamaCppRow` raises InputError saying how to get it (its tests use a stand-in module).
 Not covered: sampling in the reference rows, llama.cpp for models that are not a local GGUF file.
 """
 
@@ -38,13 +41,39 @@ LLAMA_CPP_HINT = (
 
 @dataclass(frozen=True)
 class RunSample:
-    """One timed run: its tokens/s and the numeric statistics of the run."""
+    """One timed run: its end-to-end tokens/s (prefill included) and the numeric statistics of the run; with
+    the split, `prefill_s` (prompt to first new token) and `decode_tokens_per_s` (the tokens after the first over
+    the time after it; 0.0 when the run has fewer than two tokens)."""
 
     tokens_per_s: float
     new_tokens: int
     metrics: dict[str, float]
     stop_reason: str
     token_ids: tuple[int, ...] = ()
+    prefill_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+
+
+def decode_rate(new_tokens: int, wall_s: float, prefill_s: float) -> float:
+    """Tokens after the first over the seconds after the first token (0.0 when undefined)."""
+    decode_s = wall_s - prefill_s
+    return (new_tokens - 1) / decode_s if new_tokens > 1 and decode_s > 0 else 0.0
+
+
+class _FirstTokenClock:
+    """A generate() streamer that only notes when the first new token arrives (its first put is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2 and self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
 
 
 def _synchronize(device: torch.device) -> None:
@@ -62,6 +91,7 @@ def time_hf_generate(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens:
     attention_mask = torch.ones_like(input_ids)
     calls: list[int] = []
     hook = loaded.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    clock = _FirstTokenClock()
     with torch.inference_mode():
         _synchronize(loaded.device)
         start = time.perf_counter()
@@ -72,6 +102,7 @@ def time_hf_generate(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens:
             max_new_tokens=max_new_tokens,
             eos_token_id=eos,
             pad_token_id=eos[0] if eos else None,
+            streamer=clock,
             **assist,
         )  # [1, T + n]
         _synchronize(loaded.device)
@@ -82,7 +113,9 @@ def time_hf_generate(loaded: LoadedModel, prompt_ids: list[int], max_new_tokens:
     rate = new_tokens / wall if wall > 0 else 0.0
     per_token = len(calls) / new_tokens if new_tokens else 0.0
     metrics = {"new_tokens": new_tokens, "wall_s": wall, "tokens_per_s": rate, "forwards_per_token": per_token}
-    return RunSample(rate, new_tokens, metrics, stop, tuple(int(t) for t in output[0, input_ids.shape[1] :]))
+    prefill = (clock.first - start) if clock.first is not None else wall
+    ids = tuple(int(t) for t in output[0, input_ids.shape[1] :])
+    return RunSample(rate, new_tokens, metrics, stop, ids, prefill, decode_rate(new_tokens, wall, prefill))
 
 
 def hf_assist_kwargs(loaded: LoadedModel, hf_assist: str, settings: dict[str, int]) -> tuple[dict, str]:
@@ -139,14 +172,38 @@ class LlamaCppRow:
     def note(self) -> str:
         return f"llama-cpp-python {self.version}, greedy, same GGUF and prompt ids, {self.threads} threads"
 
+    def _perf_api(self) -> tuple[Any, Any, Any] | None:
+        """(context, read, reset) of llama.cpp's own performance counters: `llama_perf_context` or, in older
+        bindings, `llama_get_timings`; None when the binding has neither."""
+        import llama_cpp
+
+        ctx = getattr(self.llm, "ctx", None) or getattr(getattr(self.llm, "_ctx", None), "ctx", None)
+        read = getattr(llama_cpp, "llama_perf_context", None) or getattr(llama_cpp, "llama_get_timings", None)
+        reset = getattr(llama_cpp, "llama_perf_context_reset", None) or getattr(llama_cpp, "llama_reset_timings", None)
+        return None if ctx is None or read is None or reset is None else (ctx, read, reset)
+
+    def _counters(self) -> tuple[float, float, int] | None:
+        """(prompt-eval ms, eval ms, eval count) since the last reset, or None without counters."""
+        api = self._perf_api()
+        if api is None:
+            return None
+        data = api[1](api[0])
+        data = getattr(data, "contents", data)  # some bindings return a pointer to the struct
+        return float(data.t_p_eval_ms), float(data.t_eval_ms), int(data.n_eval)
+
     def time(self, prompt_ids: list[int], max_new_tokens: int) -> RunSample:
-        """One greedy run from an empty cache: prefill plus up to `max_new_tokens` tokens (EOS counted)."""
+        """One greedy run from an empty cache: prefill plus up to `max_new_tokens` tokens (EOS counted). Prefill
+        and decode rate come from llama.cpp's counters (its compute time alone, sampling excluded)."""
         self.llm.reset()  # forget the previous run's KV, so no prompt prefix is reused
+        if (api := self._perf_api()) is not None:
+            api[2](api[0])  # zero the counters: they then cover this run alone
         tokens: list[int] = []
         stop = "max_new_tokens"
         start = time.perf_counter()
+        first = None
         for token in self.llm.generate(prompt_ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
             tokens.append(int(token))
+            first = first or time.perf_counter()
             if token in self.eos:
                 stop = "eos"
                 break
@@ -155,4 +212,12 @@ class LlamaCppRow:
         wall = time.perf_counter() - start
         rate = len(tokens) / wall if wall > 0 else 0.0
         metrics = {"new_tokens": len(tokens), "wall_s": wall, "tokens_per_s": rate, "forwards_per_token": 1.0}
-        return RunSample(rate, len(tokens), metrics, stop, tuple(tokens))
+        counters = self._counters()
+        if counters is None:  # no counters in this binding: split the wall time at the first token
+            prefill = (first or time.perf_counter()) - start
+            split = (prefill, decode_rate(len(tokens), wall, prefill))
+            return RunSample(rate, len(tokens), metrics, stop, tuple(tokens), *split)
+        prefill_ms, eval_ms, evals = counters
+        decode = evals / (eval_ms / 1000) if evals and eval_ms > 0 else 0.0
+        metrics |= {"llama_prompt_eval_ms": prefill_ms, "llama_eval_ms": eval_ms, "llama_evals": evals}
+        return RunSample(rate, len(tokens), metrics, stop, tuple(tokens), prefill_ms / 1000, decode)

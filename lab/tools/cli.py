@@ -53,7 +53,8 @@ def _add_precision_option(parser: argparse.ArgumentParser) -> None:
         default="auto",
         metavar=PRECISION_HELP,
         help="weight format of the linears: bf16 = float weights in --dtype, int8, int4 (CPU; the GGUF's own "
-        "4-bit blocks for the embedded model), auto = the fastest by a one-off measurement (default)",
+        "4-bit blocks for the embedded model; with --dtype auto always bfloat16 activations, the low-bit kernels' "
+        "fast ones), auto = chosen with the dtype by what the CPU supports (default)",
     )
 
 
@@ -207,7 +208,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
     stats = summarize(trace.events).as_dict()
     stats.update(prompt_tokens=len(prompt_ids), strategy=request.strategy.name, model=request.model)
-    stats.update(dtype=trace.dtype, precision=trace.precision)
+    stats.update(dtype=trace.dtype, precision=trace.precision, choice=trace.choice)
     if args.trace:
         _write_trace(args.trace, to_json(trace))
     if args.json:
@@ -215,6 +216,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         print(flush=True)
         print(_stats_line(stats), file=sys.stderr)
+        print(f"model: {trace.choice}", file=sys.stderr)  # its dtype and precision, and why
     return EXIT_OK
 
 
