@@ -263,3 +263,34 @@ def test_the_audit_hook_is_not_taken_apart_by_the_known_routes(route: str, host)
         assert "hook gone" not in result.output
         assert run_cell(box, "import ctypes").error == "PermissionError: sandbox: importing ctypes is not allowed"
         assert_next_cell_works(box)
+
+
+def test_a_forged_sub_call_range_leaves_the_trace_exportable(tiny, monkeypatch: pytest.MonkeyPatch, host) -> None:
+    """The issue's run end to end: a code-mode cell forges an llm_query whose text is long enough to be split
+    (RlmRun._sub_call adds offsets to its first range) with a 4300-digit range. At 817fec4 to_json(trace) and
+    call_tree_figure raised ValueError (4301-digit integers); now the trace exports and the figures draw."""
+    from lab.app.runner import make_generator
+    from lab.methods.rlm import lm, loop
+    from lab.params import build_params
+    from strategies import get_strategy
+
+    forge = FORGE.replace("'t' * 40", "'word ' * 3000")  # about 3000 tokens: split into parts of 128
+    script = iter([f"```repl\n{forge}```", "FINAL(1)"])
+
+    def scripted(loaded, ids, max_new_tokens, stop=None):
+        if "REPL environment" in loaded.decode(ids):  # a root turn
+            return lm.Generation(next(script), len(ids), 10, 1)
+        return lm.Generation("sub", len(ids), 1, 1)
+
+    monkeypatch.setattr(loop.lm, "generate", scripted)
+    monkeypatch.setattr(loop.lm, "window", lambda loaded: 8192)
+    monkeypatch.setattr("strategies.rlm.code_mode_refusal", lambda: None)
+    rlm = get_strategy("rlm")
+    context = "abc " * 500
+    params = build_params(rlm.Params, {"mode": "code", "task": "pasted", "context_text": context, "sub_window": 128})
+    events = list(rlm.run(tiny, tiny.encode("What is it?", chat=False), params, make_generator(0, tiny.device)))
+    subs = [e for e in events if isinstance(e, ReplCall) and e.role == "sub"]
+    assert len(subs) > 1 and any(e.action.startswith("combined") for e in subs)  # the split ran
+    trace = Trace(strategy="rlm", model="tiny", prompt="What is it?", params={}, events=events)
+    assert json.loads(to_json(trace))["events"] and call_tree_figure(events).data and coverage_figure(events).data
+    assert all(in_context(e.ranges, len(context)) for e in events if isinstance(e, ReplCall))
