@@ -14,9 +14,20 @@ from pathlib import Path
 
 import pytest
 
+from lab.methods.rlm import frames
+from lab.methods.rlm import sandbox as sandbox_module
 from lab.methods.rlm.sandbox import ExecResult, Sandbox, SubQuery
 from lab.trace import ReplCall, RlmContext, Trace, to_json
-from tests.test_sandbox_attacks import FAST, FULL, LIBC, NO_HOOK, assert_next_cell_works, needs_full, run_cell
+from tests.test_sandbox_attacks import (
+    FAST,
+    FULL,
+    HOSTILE_WORKER,
+    LIBC,
+    NO_HOOK,
+    assert_next_cell_works,
+    needs_full,
+    run_cell,
+)
 from visualizers.rlm import call_tree_figure, coverage_figure
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -294,3 +305,29 @@ def test_a_forged_sub_call_range_leaves_the_trace_exportable(tiny, monkeypatch: 
     trace = Trace(strategy="rlm", model="tiny", prompt="What is it?", params={}, events=events)
     assert json.loads(to_json(trace))["events"] and call_tree_figure(events).data and coverage_figure(events).data
     assert all(in_context(e.ranges, len(context)) for e in events if isinstance(e, ReplCall))
+
+
+def test_frame_fields_are_cleaned_and_clamped() -> None:
+    big = 10**4300 - 1
+    assert frames.ranges([[5, 2], [True, 1], [-big, big], "x", [1.0, 2], [3, 4, 5], [big, 7]], 10) == [
+        [2, 5],
+        [0, 10],
+        [7, 10],
+    ]
+    assert frames.ranges([[0, 1]] * 500, 10) == [[0, 1]] * frames.MAX_RANGES and frames.ranges({"a": 1}, 10) == []
+    assert frames.clean_text("a\ud800b") == "a?b" and frames.clean_text(None) == "" and frames.clean_text(7) == "7"
+    assert frames.count(True, 5) == 0 and frames.count(big, 7) == 7 and frames.count(-1, 7) == 0
+
+
+def test_a_lone_surrogate_from_a_hostile_worker_cannot_break_the_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """JSON's \\ud800 escape decodes to a lone surrogate, which UTF-8 cannot encode: at 817fec4 it reached the
+    ExecResult as is, and writing a trace that held it raised UnicodeEncodeError."""
+    frame = r'{"op": "result", "output": "o\ud800", "error": "e\udfff", "final": "\ud800"}'
+    reply = f"send({frame.encode()!r})"
+    program = HOSTILE_WORKER.replace("    recv()\n", f"    recv()\n    {reply}\n")
+    monkeypatch.setattr(sandbox_module, "worker_program", lambda: program)
+    with Sandbox("x", FAST, isolation="unisolated") as box:
+        result = run_cell(box, "print(1)")
+    assert (result.output, result.error, result.final) == ("o?", "e?", "?")
+    call = ReplCall(0, 0, -1, 0, "root", "code", "", result.reads, result.output, result.error, 1, 1, 0.1, result.final)
+    to_json(Trace(strategy="rlm", model="m", prompt="q", params={}, events=[call])).encode("utf-8")
