@@ -319,7 +319,7 @@ def test_frame_fields_are_cleaned_and_clamped() -> None:
     assert frames.count(True, 5) == 0 and frames.count(big, 7) == 7 and frames.count(-1, 7) == 0
 
 
-def test_a_lone_surrogate_from_a_hostile_worker_cannot_break_the_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_lone_surrogate_from_a_hostile_worker_cannot_break_the_trace(monkeypatch: pytest.MonkeyPatch, host) -> None:
     """JSON's \\ud800 escape decodes to a lone surrogate, which UTF-8 cannot encode: at 817fec4 it reached the
     ExecResult as is, and writing a trace that held it raised UnicodeEncodeError."""
     frame = r'{"op": "result", "output": "o\ud800", "error": "e\udfff", "final": "\ud800"}'
@@ -328,6 +328,9 @@ def test_a_lone_surrogate_from_a_hostile_worker_cannot_break_the_trace(monkeypat
     monkeypatch.setattr(sandbox_module, "worker_program", lambda: program)
     with Sandbox("x", FAST, isolation="unisolated") as box:
         result = run_cell(box, "print(1)")
+        monkeypatch.undo()
+        box.close()  # the hostile worker never ends; the next cell starts the real one
+        assert_next_cell_works(box)
     assert (result.output, result.error, result.final) == ("o?", "e?", "?")
     call = ReplCall(0, 0, -1, 0, "root", "code", "", result.reads, result.output, result.error, 1, 1, 0.1, result.final)
     to_json(Trace(strategy="rlm", model="m", prompt="q", params={}, events=[call])).encode("utf-8")
