@@ -134,7 +134,7 @@ def test_environment_is_empty_and_temp_dir_private_and_removed() -> None:
     "code, expected",
     [
         ("import os\nos.fork()", "Resource temporarily unavailable"),  # RLIMIT_NPROC on the private uid
-        ("import os\nos.execv('/bin/sh', ['sh'])", "Permission denied"),  # Landlock: no execute right
+        ("import os\nos.execv('/bin/sh', ['sh'])", "Operation not permitted"),  # seccomp (and Landlock: no execute)
         ("open('/etc/passwd').read()", "Permission denied"),  # Landlock: no read outside the stdlib
         (f"open({ESCAPE!r}, 'w')", "Permission denied"),
         ("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)", "rror"),  # netns + Landlock
@@ -143,7 +143,7 @@ def test_environment_is_empty_and_temp_dir_private_and_removed() -> None:
     ],
 )
 def test_os_layer_holds_without_the_audit_hook(code: str, expected: str) -> None:
-    """The audit hook is only the first fence: with it off, the uid, rlimits, Landlock and netns still hold."""
+    """The audit hook is only the first fence: with it off, the uid, rlimits, Landlock, seccomp and netns hold."""
     with Sandbox("x", SandboxLimits(timeout_s=2.0, audit=False)) as box:
         result = run_cell(box, code)
         assert result.error is not None and expected in result.error, result.transcript

@@ -195,6 +195,7 @@ def run_request_from_args(args: argparse.Namespace) -> Any:
 def cmd_run(args: argparse.Namespace) -> int:
     """Run one strategy: stream the text (or print JSON), stats on stderr, optionally write the trace."""
     from lab.app.runner import new_trace, prepare, stream_run
+    from lab.engine.text import json_for_terminal, printable
     from lab.trace import TokenEmitted, summarize, to_json
 
     request = run_request_from_args(args)
@@ -204,7 +205,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         for event in events:
             trace.events.append(event)
             if not args.json and isinstance(event, TokenEmitted) and event.text:
-                sys.stdout.write(event.text)
+                sys.stdout.write(printable(event.text))  # model text: no terminal escapes reach the terminal
                 sys.stdout.flush()
     stats = summarize(trace.events).as_dict()
     stats.update(prompt_tokens=len(prompt_ids), strategy=request.strategy.name, model=request.model)
@@ -212,7 +213,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.trace:
         _write_trace(args.trace, to_json(trace))
     if args.json:
-        print(json.dumps({"text": trace.text, "token_ids": trace.token_ids, "stats": stats}, ensure_ascii=False))
+        payload = {"text": trace.text, "token_ids": trace.token_ids, "stats": stats}
+        print(json_for_terminal(json.dumps(payload, ensure_ascii=False)))
     else:
         print(flush=True)
         print(_stats_line(stats), file=sys.stderr)

@@ -11,11 +11,16 @@ itself (a nested Landlock domain, so it cannot signal the supervisor):
   AF_INET6 (so no AF_UNIX, AF_NETLINK, AF_PACKET, AF_ALG, AF_VSOCK ...), raw and packet sockets, socketpair,
   ptrace and the cross-process memory and fd calls (process_vm_*, pidfd_getfd, kcmp), mount and the new mount
   API, bpf, keyctl / add_key / request_key, perf_event_open, userfaultfd, io_uring (its operations bypass
-  seccomp), module and kexec loading, and a few other privileged calls; syscalls of another ABI (i386, x32)
-  kill the process (libseccomp's bad-arch action). Everything else is allowed: the filter is a deny list.
-- `audit_hook`: a Python audit hook that refuses processes, sockets, ctypes and paths outside the folder with
-  readable messages. It lives in the same process as the untrusted code, which can remove it; it is a
-  convenience for clear errors, never a boundary.
+  seccomp), module and kexec loading, SysV and POSIX IPC (shm*, msg*, sem*, mq_*), memfd_create /
+  memfd_secret, execve / execveat (neither process execs after the filter is loaded), inotify / fanotify, and a
+  few other privileged calls; syscalls of another ABI (i386, x32) kill the process (libseccomp's bad-arch
+  action). Everything else is allowed: the filter is a deny list (an allow list would have to follow the
+  syscalls of whichever interpreter and libc run the worker; docs/rlm.md says why).
+- `audit_hook`: a Python audit hook that refuses processes, sockets, ctypes, gc walks and paths outside the
+  folder with readable messages. It keeps its own copies of what it checks and refuses the gc calls that
+  reach its closure, but it lives in the same process as the untrusted code (a frame from a traceback still
+  shows its locals; os.path.realpath's Python code reads module globals): a convenience for clear errors,
+  never a boundary.
 Not covered: cgroups (memory is bounded by RLIMIT_AS), filters on the arguments of ioctl / prctl.
 """
 
@@ -28,6 +33,7 @@ BLOCKED_MODULES += ("pty", "mmap", "_multiprocessing", "signal", "_signal", "res
 BLOCKED_EVENTS = ("os.system", "os.exec", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.kill")
 BLOCKED_EVENTS += ("os.killpg", "subprocess.", "ctypes.", "socket.", "sys.addaudithook", "os.setuid", "pty.")
 BLOCKED_EVENTS += ("os.chmod", "os.chown", "os.link", "os.symlink", "shutil.", "sys.remote_exec", "os.truncate")
+GC_EVENTS = ("gc.get_objects", "gc.get_referrers", "gc.get_referents")  # the walks that find the hook's closure
 PATH_EVENTS = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.listdir", "os.scandir", "os.utime", "glob.")
 
 SECCOMP_DENY = (
@@ -37,6 +43,12 @@ SECCOMP_DENY = (
     "io_uring_setup", "io_uring_enter", "io_uring_register", "kexec_load", "kexec_file_load", "init_module",
     "finit_module", "delete_module", "open_by_handle_at", "name_to_handle_at", "quotactl", "swapon", "swapoff",
     "reboot", "acct", "syslog", "iopl", "ioperm", "personality", "uselib", "lookup_dcookie", "vhangup",
+    # SysV and POSIX IPC: objects outside RLIMIT_AS (the IPC namespace also drops them with the worker)
+    "shmget", "shmat", "shmdt", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop", "semtimedop",
+    "semctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr",
+    # memory outside RLIMIT_AS, running a binary (from a memfd: Landlock only sees paths), watching host folders
+    "memfd_create", "memfd_secret", "execve", "execveat", "inotify_init", "inotify_init1", "inotify_add_watch",
+    "fanotify_init", "fanotify_mark",
 )  # fmt: skip
 CLONE_NEW = (0x00000080, 0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
 AF_INET, AF_INET6, SOCK_TYPE_MASK, SOCK_RAW, SOCK_PACKET = 2, 10, 0xF, 3, 10
@@ -144,26 +156,33 @@ def seccomp(lib):
 
 
 def audit_hook(read_roots, write_root):
-    """A sys.addaudithook hook: refuse processes, sockets, ctypes and paths outside the sandbox's roots."""
-    realpath = os.path.realpath
+    """A sys.addaudithook hook: refuse processes, sockets, ctypes, gc walks and paths outside the sandbox's roots.
+    The names it uses are bound here, as locals of this call, so rebinding this module's lists, `os.path.realpath`
+    or a builtin does not change them, and the gc walks that reach its closure are refused; still no boundary
+    (realpath's own Python code reads module globals; see the module docstring)."""
+    realpath, fspath, sep, is_int, is_str, any_of = os.path.realpath, os.fspath, os.sep, int, str, any
+    kind_of, refuse, writing_modes = isinstance, PermissionError, os.O_WRONLY | os.O_RDWR | os.O_CREAT
+    modules, events, path_events = tuple(BLOCKED_MODULES), tuple(BLOCKED_EVENTS + GC_EVENTS), tuple(PATH_EVENTS)
+    read_roots, write_roots = tuple(read_roots) + (write_root,), (write_root,)
 
     def inside(path, roots):
-        if isinstance(path, int):
+        if kind_of(path, is_int):
             return True  # an already open descriptor
-        real = realpath(os.fsdecode(path))
-        return any(real == root or real.startswith(root + os.sep) for root in roots)
+        path = fspath(path)
+        real = realpath(path if kind_of(path, is_str) else path.decode("utf-8", "surrogateescape"))
+        return any_of(real == root or real.startswith(root + sep) for root in roots)
 
     def hook(event, args):
-        if event == "import" and args[0].split(".")[0] in BLOCKED_MODULES:
-            raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
-        if event.startswith(BLOCKED_EVENTS):
-            raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "import" and args[0].split(".")[0] in modules:
+            raise refuse(f"sandbox: importing {args[0]} is not allowed")
+        if event.startswith(events) or (event == "object.__setattr__" and args[1] == "__code__"):
+            raise refuse(f"sandbox: {event} is not allowed")
         if event == "open" and args[0] is not None:
-            writing = isinstance(args[1], str) and any(c in args[1] for c in "wax+")
-            writing = writing or (isinstance(args[2], int) and args[2] & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
-            if not inside(args[0], [write_root] if writing else read_roots + [write_root]):
-                raise PermissionError(f"sandbox: {'writing' if writing else 'reading'} {args[0]!r} is not allowed")
-        if event.startswith(PATH_EVENTS) and args and not inside(args[0] if args[0] is not None else ".", [write_root]):
-            raise PermissionError(f"sandbox: {event} on {args[0]!r} is not allowed")
+            writing = kind_of(args[1], is_str) and any_of(c in args[1] for c in "wax+")
+            writing = writing or (kind_of(args[2], is_int) and args[2] & writing_modes)
+            if not inside(args[0], write_roots if writing else read_roots):
+                raise refuse(f"sandbox: {'writing' if writing else 'reading'} {args[0]!r} is not allowed")
+        if event.startswith(path_events) and args and not inside(args[0] if args[0] is not None else ".", write_roots):
+            raise refuse(f"sandbox: {event} on {args[0]!r} is not allowed")
 
     return hook

@@ -25,7 +25,7 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
 from lab.engine.models import LoadedModel
-from lab.methods.rlm import actions, lm
+from lab.methods.rlm import actions, frames, lm
 from lab.methods.rlm.sandbox import ExecResult, Sandbox, SandboxLimits
 from lab.trace import Event, ReplCall
 
@@ -136,7 +136,8 @@ class RlmRun:
             answers = []
             for i in range(parts):
                 piece = text[i * size : (i + 1) * size]
-                piece_range = [[offset + i * size, offset + i * size + len(piece)]] if offset is not None else []
+                start = offset + i * size if offset is not None else None
+                piece_range = [] if start is None else frames.ranges([[start, start + len(piece)]], len(self.context))
                 answer = yield from self._sub_call(prompt, piece, piece_range, call_id, depth + 1)
                 answers.append(f"Part {i + 1}: {answer.strip()}")
             text, note = "\n".join(answers), f"combined {parts} parts"

@@ -2,29 +2,35 @@
 
 Model-written code never runs in the server's process. At the "full" level `Sandbox` starts
 `lab/methods/rlm/worker.py` (stdlib only, preceded by `lab/methods/rlm/confine.py`) as
-`unshare --net --mount --pid --fork --kill-child -- sh -c 'mount -t tmpfs -o size=... DIR && cd DIR && exec
-setpriv --reuid=U --regid=U --clear-groups --inh-caps=-all --bounding-set=-all --no-new-privs PYTHON -I -S -B -c
-<worker>'` with:
+`unshare --net --mount --pid --ipc --fork --kill-child -- sh -c 'mount -t proc proc /proc && mount -t tmpfs -o
+size=...,nosuid,nodev,noexec DIR && cd DIR && exec setpriv --reuid=U --regid=U --clear-groups --inh-caps=-all
+--bounding-set=-all --no-new-privs PYTHON -I -S -B -c <worker>'` with:
 - a fresh unprivileged uid U per sandbox (from a private range, so RLIMIT_NPROC and /proc of one run never
   reach another run); a new network namespace (no interface up: loopback is unreachable); a new pid namespace
-  (the worker is its init: when it dies every process of the run dies); a new mount namespace whose tmpfs over
-  the run's folder caps its total size (`folder_bytes`) and file count;
+  (the worker is its init: when it dies every process of the run dies) with its own /proc (no host PID is
+  visible); a new IPC namespace (SysV / POSIX IPC objects die with the worker; seccomp denies the calls too);
+  a new mount namespace whose tmpfs over the run's folder (nosuid, nodev, noexec) caps its total size
+  (`folder_bytes`) and file count;
 - an empty environment, a new session (the whole process group is SIGKILLed on a timeout, a violation or
-  close), PYTHON = `sys.executable` when the sandbox uid can run it, else the configured DECODING_LAB_RLM_PYTHON
-  or a system python3 (the worker needs only the stdlib);
+  close; the server then reaps every member, `lab.methods.rlm.reap`), PYTHON = `sys.executable` when the
+  sandbox uid can run it, else the configured DECODING_LAB_RLM_PYTHON or a system python3 (the worker needs
+  only the stdlib);
 - inside (see `lab.methods.rlm.worker` / `lab.methods.rlm.confine`): a supervisor holding the channel, Landlock and a
   seccomp filter, and a REPL child without the channel's fds, under rlimits, a nested Landlock domain and an audit hook.
 Every frame from the worker is hostile: size-capped (`MAX_FRAME`), read and written with deadlines (select on
 non-blocking fds), any exception while parsing (RecursionError included) ends the cell with a clean
-"protocol violation" error, and the worker is killed by process group; the next `execute` starts a fresh one.
+"protocol violation" error, every field is checked, cleaned and clamped (`lab.methods.rlm.frames`: ranges to
+the context's length), and the worker is killed by process group; the next `execute` starts a fresh one.
 `execute(code)` is a generator: it yields `SubQuery` for every `llm_query` (answer with `.send(text)`) and
 returns an `ExecResult`.
 
 Levels (`probe_isolation`): "full" needs root, unshare / setpriv / mount / sh, an interpreter the sandbox uid
-can run, the three namespaces and tmpfs, Landlock and libseccomp (a trial worker checks them); otherwise the
+can run, the four namespaces, proc and tmpfs, Landlock and libseccomp (a trial worker checks them); otherwise the
 level is "unisolated": a separate process with rlimits only, which is not a sandbox. Free-form code mode is
 refused below "full" (`code_mode_refusal` names what is missing); constrained action mode runs project-made
-code only and works at either level. Not covered: cgroups (memory is bounded by RLIMIT_AS per process).
+code only and works at either level. Not covered: cgroups. Memory is bounded by RLIMIT_AS per process, the
+tmpfs size and the denial of SysV shared memory and memfds (the two ways to hold memory outside RLIMIT_AS that
+the issue-31 red team used); `LEVEL_TEXT` says so to the user.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lab.methods.rlm import confine
+from lab.methods.rlm import confine, frames, reap
 from lab.methods.rlm import worker as protocol
 
 PYTHON_ENV = "DECODING_LAB_RLM_PYTHON"
@@ -54,12 +60,15 @@ UID_RANGE = (200_000, 260_000)  # private uids, no passwd entry, never used by a
 MAX_FRAME = 1 << 20  # bytes of one worker -> parent frame
 TRUNCATED = protocol.TRUNCATED
 LEVEL_TEXT = {
-    "full": "sandbox: private uid, network / mount / pid namespaces, size-capped tmpfs, Landlock, seccomp, rlimits",
+    "full": "sandbox: private uid, network / mount / pid / IPC namespaces, private /proc, size-capped noexec tmpfs, "
+    "Landlock, seccomp, rlimits; memory capped per process (RLIMIT_AS), no cgroup",
     "unisolated": "NOT a sandbox: a separate process with resource limits only (action mode runs project code only)",
 }
-SETUP_SCRIPT = (  # sh -c: mount the capped tmpfs over the folder, enter it, exec setpriv ... python (args, no quoting)
-    '"$1" -t tmpfs -o "size=$2,nr_inodes=$3,mode=0700,uid=$4,gid=$4" rlm "$5" && cd "$5" && unset PWD OLDPWD'
-    ' && shift 5 && exec "$@"'
+SETUP_SCRIPT = (  # sh -c: a proc of the new pid namespace over /proc, the capped tmpfs over the folder, enter it,
+    # exec setpriv ... python (args, no quoting)
+    '"$1" -t proc -o nosuid,nodev,noexec proc /proc'
+    ' && "$1" -t tmpfs -o "size=$2,nr_inodes=$3,mode=0700,uid=$4,gid=$4,nosuid,nodev,noexec" rlm "$5"'
+    ' && cd "$5" && unset PWD OLDPWD && shift 5 && exec "$@"'
 )
 _active_uids: set[int] = set()
 _uid_lock = threading.Lock()
@@ -239,7 +248,7 @@ class Sandbox:
         if self.isolation != "full":
             return worker
         tools = _tools()
-        namespaces = [tools["unshare"], "--net", "--mount", "--pid", "--fork", "--kill-child"]
+        namespaces = [tools["unshare"], "--net", "--mount", "--pid", "--ipc", "--fork", "--kill-child"]
         namespaces += ["--propagation", "private", "--"]
         folder = [str(self.limits.folder_bytes), str(self.limits.folder_files), str(self.uid), self.tmpdir]
         setup = [tools["sh"], "-c", SETUP_SCRIPT, "sh", tools["mount"], *folder]
@@ -279,9 +288,9 @@ class Sandbox:
         self._write({"context": self.context, "limits": limits}, deadline)
         ready = self._read(deadline)
         if ready.get("op") != "ready":
-            raise ProtocolViolation(str(ready.get("error", "no ready frame"))[:200])
-        self.landlock_abi = _int(ready.get("landlock_abi"))
-        self.seccomp_rules = _int(ready.get("seccomp_rules"))
+            raise ProtocolViolation(frames.clean_text(ready.get("error", "no ready frame"))[:200])
+        self.landlock_abi = frames.count(ready.get("landlock_abi"), 1 << 16)
+        self.seccomp_rules = frames.count(ready.get("seccomp_rules"), 1 << 16)
 
     def _write(self, payload: dict, deadline: float) -> None:
         """One frame to the worker before `deadline` (non-blocking fd): a worker that stops reading is a
@@ -339,7 +348,7 @@ class Sandbox:
                 if message.get("op") != "llm_query":
                     raise ProtocolViolation(f"unexpected frame {str(message.get('op'))[:40]!r}")
                 paused = time.monotonic()
-                answer = yield SubQuery(_str(message.get("prompt")), _str(message.get("text")), _ranges(message))
+                answer = yield self._query(message)
                 deadline += time.monotonic() - paused  # serving the sub-call does not count against the cell
                 self._write({"op": "llm_result", "text": str(answer)}, time.monotonic() + 5)
         except TimeoutError:
@@ -349,14 +358,22 @@ class Sandbox:
         except (ProtocolViolation, OSError) as error:
             return self._failure(f"protocol violation: {error}", started)
 
+    def _query(self, message: dict) -> SubQuery:
+        """An `llm_query` frame as a SubQuery: text fields cleaned, ranges clamped to the context."""
+        prompt, text = frames.clean_text(message.get("prompt")), frames.clean_text(message.get("text"))
+        return SubQuery(prompt, text, frames.ranges(message.get("ranges"), len(self.context)))
+
     def _result(self, message: dict, seconds: float) -> ExecResult:
-        output = _str(message.get("output"))
+        """A `result` frame as an ExecResult: every field type-checked, cleaned, capped or clamped."""
+        output = message.get("output")
+        output = output if isinstance(output, str) else frames.clean_text(output)
         truncated = message.get("truncated") is True or len(output) > self.limits.output_cap
-        error = message.get("error")
-        final = message.get("final")
+        error, final = message.get("error"), message.get("final")
         result = ExecResult(
-            output[: self.limits.output_cap], _str(error)[:2000] if error is not None else None, truncated,
-            _ranges(message, "reads"), _str(final) if final is not None else None, round(seconds, 4),
+            frames.clean_text(output[: self.limits.output_cap]),
+            frames.clean_text(error)[:2000] if error is not None else None, truncated,
+            frames.ranges(message.get("reads"), len(self.context)),
+            frames.clean_text(final)[: frames.FINAL_CAP] if final is not None else None, round(seconds, 4),
         )  # fmt: skip
         if message.get("restart") is True:  # the worker ended the REPL (its child exited or misbehaved)
             self._kill()
@@ -377,12 +394,15 @@ class Sandbox:
         return ExecResult("", message, False, [], None, round(time.monotonic() - started, 4))
 
     def _kill(self) -> None:
+        """SIGKILL the worker's process group, wait for the launcher and reap the members that were reparented
+        to this process (`lab.methods.rlm.reap`): no zombie is left even where the server is PID 1."""
         if self.process is None:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=5)
+        reap.reap_group(self.process.pid)
         for stream in (self.process.stdin, self.process.stdout):
             with contextlib.suppress(OSError):
                 stream.close()
@@ -398,20 +418,3 @@ class Sandbox:
             with _uid_lock:
                 _active_uids.discard(self.uid)
             self.uid = None
-
-
-def _str(value: object) -> str:
-    return value if isinstance(value, str) else "" if value is None else str(value)[:2000]
-
-
-def _int(value: object) -> int:
-    return value if type(value) is int else 0
-
-
-def _ranges(message: dict, key: str = "ranges") -> list[list[int]]:
-    """Validated [start, end] integer pairs from an untrusted frame (at most 200)."""
-    items = message.get(key)
-    if not isinstance(items, list):
-        return []
-    pairs = [p for p in items[:200] if isinstance(p, list) and len(p) == 2 and all(type(v) is int for v in p)]
-    return [[int(a), int(b)] for a, b in pairs]
