@@ -24,6 +24,8 @@ from lab.training.distill.generate import DistillSettings, run_distill
 from lab.training.distill.store import folder_summary, handwritten_prompts, made_shards, pack_ids, read_ids, run_store
 from tests.tiny import tiny_loaded_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _settings(**overrides) -> DistillSettings:
     base = {"model": "tiny", "max_new_tokens": 6, "batch_size": 2, "limit": 5, "top_k": 5, "samples": 1}
@@ -132,11 +134,11 @@ def test_training_on_ids_resumes_to_the_uninterrupted_result(tmp_path: Path) -> 
 
     loaded = tiny_loaded_model(seed=0, layers=8)
     layers = tuple(eagle3_train.data_layers(loaded))
-    run_store(loaded, _settings(limit=8, batch_size=4, max_new_tokens=12, top_k=8), tmp_path / "ids", _quiet)
+    run_store(loaded, _settings(limit=6, batch_size=3, max_new_tokens=8, top_k=8), tmp_path / "ids", _quiet)
     data = load_distill(
         tmp_path / "ids", layers, lambda f: folder_features(loaded, f, 8, layers, _quiet, tmp_path / "cache")
     )
-    options = TrainOptions(epochs=4, lr=3e-3, batch_size=4, draft_vocab=64, unroll=2, eval_every=2)
+    options = TrainOptions(epochs=2, lr=3e-3, batch_size=4, draft_vocab=64, unroll=2, eval_every=2)
 
     def run(checkpoint: Checkpoint | None, log=_quiet):
         torch.manual_seed(0)

@@ -5,8 +5,9 @@
                        the other), `seq_offsets` (uint32, len + 1) and `prompt_lengths` (uint16): the layout of the
                        feature shards of `lab.training.distill.generate`, without any feature
     shard_00012.json   its manifest: how it was made (model, model shape, precision, dtype, sampling, seed, command,
-                       software), what it holds (sequences, prompt and response tokens, the prompts' index range and
-                       texts) and the SHA-256 of the .npz; written last, so a shard counts as made when it exists
+                       software), what it holds (sequences, prompt and response tokens, `prompt_range`: the
+                       prompts' index range in the plan's hand-written list or the Magpie chunk, and their texts)
+                       and the SHA-256 of the .npz; written last, so a shard counts as made when it exists
 The folder's `config.json` holds the settings the whole plan shares (`DistillSettings`, precision, dtype, model
 shape); a run with other settings into the folder is refused. The plan is the settings' shard list (the hand-written
 prompts that pass the overlap check, in batches of `batch_size`, or `magpie_chunks` Magpie chunks); a run makes the
@@ -26,6 +27,7 @@ import io
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from dataclasses import asdict
@@ -107,6 +109,13 @@ def _software() -> dict:
     return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+def _command() -> str:
+    """The command line of this process (`python -m lab ...` when run as the lab's CLI)."""
+    if sys.argv and sys.argv[0].endswith("__main__.py"):
+        return "python -m lab " + shlex.join(sys.argv[1:])
+    return shlex.join(sys.argv)
+
+
 def _manifest(loaded: LoadedModel, settings: DistillSettings, index: int, prompts: dict, records, seconds: float):
     response = sum(len(r) for _, r in records)
     return {
@@ -125,7 +134,7 @@ def _manifest(loaded: LoadedModel, settings: DistillSettings, index: int, prompt
             "max_new_tokens": settings.max_new_tokens,
             "chat_template": True,
         },
-        "command": " ".join(["python -m lab", *sys.argv[1:]]) if sys.argv[0].endswith("lab") else " ".join(sys.argv),
+        "command": _command(),
         "software": _software(),
         "sequences": len(records),
         "prompt_tokens": sum(len(p) for p, _ in records),
