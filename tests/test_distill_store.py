@@ -162,3 +162,36 @@ def test_training_on_ids_resumes_to_the_uninterrupted_result(tmp_path: Path) -> 
     assert state["optimizer"]["state"] and state["step"] > 3
     curves = [json.loads(line) for line in path.with_suffix(".metrics.jsonl").read_text().splitlines()]
     assert [c["step"] for c in curves] == list(range(2, state["step"] + 1, 2)) and "top1@1" in curves[-1]["held_out"]
+
+
+def test_train_heads_reads_an_ids_folder_through_its_feature_cache(tiny, tmp_path: Path, monkeypatch, capsys) -> None:
+    from lab.engine import models
+    from lab.engine.models import wrap_model
+    from lab.tools.cli import main
+    from tests.tiny import ByteTokenizer, tiny_llama
+
+    run_store(tiny, _settings(limit=4), tmp_path / "ids", _quiet)
+    loads: list[tuple] = []
+    half = wrap_model(tiny_llama(0).to(torch.bfloat16), ByteTokenizer(), spec=tiny.spec)
+
+    def load(*args):
+        loads.append(args)
+        return half if args[2] == "bfloat16" else tiny
+
+    monkeypatch.setattr(models, "load_model", load)
+    cache, out = tmp_path / "cache", tmp_path / "heads"
+    argv = ["train-heads", "--kind", "medusa", "--data", str(tmp_path / "ids"), "--out", str(out), "--epochs", "1"]
+    argv += ["--batch-size", "8", "--draft-vocab", "64", "--heads", "2", "--features-cache", str(cache)]
+    argv += ["--checkpoint", str(tmp_path / "ckpt" / "medusa.ckpt"), "--model", "tiny"]
+    assert main(argv) == 0
+    assert ("tiny", "auto", "float32", "bf16") in loads  # the feature pass at the ids' dtype and precision
+    assert sorted(p.name for p in (cache / "tiny-llama-0" / "ids").iterdir()) == [
+        "shard_00000.safetensors",
+        "shard_00001.safetensors",
+    ]
+    config = json.loads((out / "medusa.json").read_text())
+    assert config["data"]["format"] == "token-ids/npz-uint16/v1" and config["heads"] == 2
+    curves = (tmp_path / "ckpt" / "medusa.metrics.jsonl").read_text().splitlines()
+    assert '"step": 0' in curves[0] and "top1" in curves[-1]
+    assert main([*argv, "--no-recompute", "--features-dtype", "bfloat16"]) == 2  # the cache was made in float32
+    assert "dtype ('float32', not 'bfloat16')" in capsys.readouterr().err
