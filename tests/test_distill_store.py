@@ -195,3 +195,21 @@ def test_train_heads_reads_an_ids_folder_through_its_feature_cache(tiny, tmp_pat
     assert '"step": 0' in curves[0] and "top1" in curves[-1]
     assert main([*argv, "--no-recompute", "--features-dtype", "bfloat16"]) == 2  # the cache was made in float32
     assert "dtype ('float32', not 'bfloat16')" in capsys.readouterr().err
+
+
+def test_magpie_shards_filter_against_the_prompts_kept_before_even_when_committed(tiny, tmp_path: Path) -> None:
+    kept = ["How do I keep basil fresh in the kitchen for a week?", "What is the capital city of Portugal and why?"]
+    chunks = [kept, [kept[0], "Can you explain why the sky looks blue at noon?"], ["no", "<|im_start|>user hi"]]
+    for index, candidates in enumerate(chunks):  # cached candidates: the model does not write them again
+        path = tmp_path / "candidates" / f"chunk_{index:05d}.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(candidates))
+    settings = _settings(prompts="magpie", magpie_chunks=3, limit=None, samples=0)
+    assert run_store(tiny, settings, tmp_path, _quiet, max_shards=1) == [0]
+    (tmp_path / "candidates" / "chunk_00000.json").unlink()  # chunk 0 now known from its committed prompts only
+    assert run_store(tiny, settings, tmp_path, _quiet) == [1, 2]
+    manifests = [json.loads((tmp_path / f"shard_0000{i}.json").read_text()) for i in range(3)]
+    assert [m["prompts"] for m in manifests] == [kept, ["Can you explain why the sky looks blue at noon?"], []]
+    assert manifests[2]["sequences"] == 0 and manifests[1]["prompt_range"] == [1, 2]
+    shards = folder_features(tiny, tmp_path, 5, (), _quiet, tmp_path / "cache")
+    assert [len(s["prompt_lengths"]) for s in shards] == [2, 1]  # the empty chunk has no features

@@ -5,9 +5,12 @@ Each kind has a trainer module `lab.training.<kind>_train` exposing
 `train(loaded, data, options, log, checkpoint) -> (tensors, config)`; this module loads the model and the data
 (`lab.training.distill.dataset.load_distill`; for eagle3 also the fused features), seeds torch, runs the trainer and
 saves the heads with `lab.heads.common.save_heads` (config gets `kind`, `model_shape` and the training settings added).
-The trainer checkpoints to `--checkpoint` (default `<out>/<kind>.ckpt`, or data/checkpoints/<model>/<kind>.ckpt
-for the shipped folder) every `--checkpoint-every` seconds; `--resume` continues from it
-(`lab.heads.checkpoint`), and its `.metrics.jsonl` holds the held-out curves.
+Folders of token ids (`lab.training.distill.store`, committed under heads/data/) get their features from a
+teacher-forced pass cached outside git (`lab.training.distill.features`; `--features-*` options).
+The trainer checkpoints to `--checkpoint` (default `<out>/<kind>.ckpt`; for the shipped folder
+heads/checkpoints/<model>/<kind>.ckpt, tracked, when all the data is committed ids, else data/checkpoints/...)
+every `--checkpoint-every` seconds; `--resume` continues from it (`lab.heads.checkpoint`), and its `.metrics.jsonl`
+holds the held-out curves.
 """
 
 from __future__ import annotations

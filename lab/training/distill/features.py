@@ -178,8 +178,12 @@ def folder_features(
     out = []
     for index in shards:
         name = shard_name(index)
+        if json.loads((folder / f"{name}.json").read_text())["sequences"] == 0:
+            continue  # a Magpie chunk none of whose prompts passed the filters
         out.append(
             cached_features(loaded, folder / f"{name}.npz", base / f"{name}.safetensors", top_k, layers, log, recompute)
         )
-    log(f"features of {len(shards)} shards of {folder} ready (cache {base})")
+    if not out:
+        raise InputError(f"The token-id shards in {folder} hold no sequence.")
+    log(f"features of {len(out)} shards of {folder} ready (cache {base})")
     return out
