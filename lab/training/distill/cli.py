@@ -116,7 +116,7 @@ def register(commands, evaluations, add_model_options) -> None:
     parser.add_argument("--max-shards", default=None, help="--store: make at most K of the plan's missing shards")
     parser.add_argument("--precision", default="bf16", help="weight format of the linears: bf16, int8, int4, auto")
     parser.add_argument("--limit", default=None, help="use only the first K prompts of the 336")
-    parser.add_argument("--check-overlap", action="store_true", help="only check --out's prompts against the bench")
+    parser.add_argument("--check-overlap", action="store_true", help="only check the prompts of --store (or --out)")
     parser.add_argument("--prompts", default="handwritten", choices=("handwritten", "magpie"), help="prompt source")
     parser.add_argument("--magpie-chunks", default=None, help="Magpie: chunks of 64 model-written prompts (= shards)")
     parser.add_argument("--layers", default="none", help="extra features: none, eagle3 (2, L/2, L-3) or 2,15,27")
