@@ -5,9 +5,12 @@ Each kind has a trainer module `lab.training.<kind>_train` exposing
 `train(loaded, data, options, log, checkpoint) -> (tensors, config)`; this module loads the model and the data
 (`lab.training.distill.dataset.load_distill`; for eagle3 also the fused features), seeds torch, runs the trainer and
 saves the heads with `lab.heads.common.save_heads` (config gets `kind`, `model_shape` and the training settings added).
-The trainer checkpoints to `--checkpoint` (default `<out>/<kind>.ckpt`, or data/checkpoints/<model>/<kind>.ckpt
-for the shipped folder) every `--checkpoint-every` seconds; `--resume` continues from it
-(`lab.heads.checkpoint`), and its `.metrics.jsonl` holds the held-out curves.
+Folders of token ids (`lab.training.distill.store`, committed under heads/data/) get their features from a
+teacher-forced pass cached outside git (`lab.training.distill.features`; `--features-*` options).
+The trainer checkpoints to `--checkpoint` (default `<out>/<kind>.ckpt`; for the shipped folder
+heads/checkpoints/<model>/<kind>.ckpt, tracked, when all the data is committed ids, else data/checkpoints/...)
+every `--checkpoint-every` seconds; `--resume` continues from it (`lab.heads.checkpoint`), and its `.metrics.jsonl`
+holds the held-out curves.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 from lab.params import InputError
 
 KINDS = ("medusa", "mtpc", "eagle", "eagle3")
+CHECKPOINTS_DIR = Path(__file__).resolve().parents[2] / "heads" / "checkpoints"  # tracked: runs on committed data
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,33 @@ def _log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def _recompute(args: argparse.Namespace, folders: list[str], layers):
+    """For ids folders (`lab.training.distill.store`): a function giving their shards with features recomputed by
+    the model at --features-precision / --features-dtype (default: those the ids were generated with), cached in
+    --features-cache (`lab.training.distill.features`)."""
+    import json
+
+    from lab.engine.models import load_model
+    from lab.training.distill.features import DEFAULT_CACHE, folder_features
+    from lab.training.distill.store import is_ids_folder
+
+    ids = [Path(folder) for folder in folders if is_ids_folder(Path(folder))]
+    if not ids:
+        return None
+    config = json.loads((ids[0] / "config.json").read_text())
+    precision = args.features_precision or config["precision"]
+    dtype = args.features_dtype or config["dtype"]
+    teacher = load_model(args.model, args.device, dtype, precision)
+    cache = Path(args.features_cache) if args.features_cache else DEFAULT_CACHE
+    _log(f"features of {', '.join(map(str, ids))}: {teacher.spec}, {teacher.precision}, {teacher.dtype}, cache {cache}")
+
+    def recompute(folder: Path) -> list:
+        top_k = json.loads((folder / "config.json").read_text())["settings"]["top_k"]
+        return folder_features(teacher, folder, top_k, layers, _log, cache, recompute=not args.no_recompute)
+
+    return recompute
+
+
 def cmd_train_heads(args: argparse.Namespace) -> int:
     import torch
 
@@ -55,6 +86,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     from lab.tools.cli import _int_option
     from lab.training.distill.cli import DEFAULT_OUT
     from lab.training.distill.dataset import load_distill
+    from lab.training.distill.store import is_ids_folder
 
     try:
         options = TrainOptions(
@@ -84,12 +116,15 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     folders = [folder.strip() for folder in folders if folder.strip()]
     loaded = load_model(args.model, args.device, "float32" if args.dtype == "auto" else args.dtype)
     trainer = importlib.import_module(f"lab.training.{args.kind}_train")
-    data = load_distill(folders, layers=getattr(trainer, "data_layers", lambda _: ())(loaded))
+    layers = getattr(trainer, "data_layers", lambda _: ())(loaded)
+    data = load_distill(folders, layers=layers, recompute=_recompute(args, folders, layers))
     if data.config["model_shape"] != model_shape(loaded):
         raise InputError(f"The data was made with a model of shape {data.config['model_shape']}, not {args.model}.")
     torch.manual_seed(options.seed)
     stem = Path(args.out) / args.kind if args.out else HEADS_DIR / model_slug(loaded.spec) / args.kind
-    default_checkpoint = Path("data/checkpoints") / model_slug(loaded.spec) / args.kind if not args.out else stem
+    tracked = all(is_ids_folder(Path(folder)) for folder in folders)  # committed data: a committable checkpoint
+    checkpoints = CHECKPOINTS_DIR if tracked else Path("data/checkpoints")
+    default_checkpoint = checkpoints / model_slug(loaded.spec) / args.kind if not args.out else stem
     path = Path(args.checkpoint) if args.checkpoint else default_checkpoint.with_suffix(".ckpt")
     fingerprint = {"kind": args.kind, "options": asdict(options), "data": folders, "rows": data.rows}
     fingerprint["options"].pop("eval_every")
@@ -128,5 +163,9 @@ def register(commands, evaluations, add_model_options) -> None:
     parser.add_argument("--checkpoint", default=None, help="checkpoint file (default <out>/<kind>.ckpt)")
     parser.add_argument("--checkpoint-every", default="300", help="seconds between checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint (same options and data)")
+    parser.add_argument("--features-precision", default=None, help="ids data: precision of the feature pass")
+    parser.add_argument("--features-dtype", default=None, help="ids data: dtype of the feature pass")
+    parser.add_argument("--features-cache", default=None, help="ids data: feature cache folder")
+    parser.add_argument("--no-recompute", action="store_true", help="ids data: a stale feature cache is an error")
     add_model_options(parser)
     parser.set_defaults(handler=cmd_train_heads)

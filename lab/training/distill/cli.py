@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import replace
@@ -48,16 +49,18 @@ def _layers(text: str, num_layers: int) -> tuple[int, ...]:
 
 
 def check_overlap(folder: Path) -> dict:
-    """Overlap check of a data folder: its prompts (the Magpie chunks' kept prompts, else the hand-written set)
-    against the benchmark prompts; printed as JSON by `lab distill --check-overlap`."""
-    import json
-
+    """Overlap check of a data folder: its prompts (an ids folder's shard manifests, a feature folder's Magpie
+    chunks, else the hand-written set) against the benchmark prompts; printed as JSON by `--check-overlap`."""
     from lab.app.builtin_prompts import BUILTIN_PROMPTS
     from lab.training.distill.prompt_filter import overlap_report
     from lab.training.distill.prompts import distill_prompts
+    from lab.training.distill.store import is_ids_folder, stored_prompts
 
     chunks = sorted((folder / "prompts").glob("chunk_*.json"))
-    prompts = [t for c in chunks for t in json.loads(c.read_text())] or [t for _, t in distill_prompts()]
+    if is_ids_folder(folder):  # the prompts of the shards made (their manifests)
+        prompts = stored_prompts(folder)
+    else:
+        prompts = [t for c in chunks for t in json.loads(c.read_text())] or [t for _, t in distill_prompts()]
     return {"folder": str(folder), **overlap_report(prompts, [p.text for p in BUILTIN_PROMPTS])}
 
 
@@ -68,9 +71,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from lab.tools.cli import _int_option
 
     if args.check_overlap:
-        import json
-
-        report = check_overlap(Path(args.out or DEFAULT_OUT.format(slug=model_slug(args.model))))
+        report = check_overlap(Path(args.store or args.out or DEFAULT_OUT.format(slug=model_slug(args.model))))
         print(json.dumps(report, indent=2))
         return 1 if report["near_benchmark"] else 0
     limit = _int_option("--limit", args.limit)
@@ -88,8 +89,17 @@ def cmd_distill(args: argparse.Namespace) -> int:
         magpie_chunks=_int_option("--magpie-chunks", args.magpie_chunks) or 0,
     )
     settings.check()
-    loaded = load_model(args.model, args.device, args.dtype)
+    max_shards = _int_option("--max-shards", args.max_shards)
+    if max_shards is not None and (max_shards < 1 or not args.store):
+        raise InputError("--max-shards must be at least 1 and goes with --store.")
+    loaded = load_model(args.model, args.device, args.dtype, args.precision)
     settings = replace(settings, layers=_layers(args.layers, loaded.num_layers))
+    if args.store:
+        from lab.training.distill.store import folder_summary, run_store
+
+        made = run_store(loaded, settings, Path(args.store), _progress_bar(), max_shards)
+        print(json.dumps({"made": made, **folder_summary(Path(args.store))}, indent=1))
+        return 0
     out = Path(args.out or DEFAULT_OUT.format(slug=model_slug(args.model)))
     run_distill(loaded, settings, out, _progress_bar())
     print(f"data in {out}", file=sys.stderr)
@@ -100,8 +110,13 @@ def register(commands, evaluations, add_model_options) -> None:
     """Add `distill` to the top-level commands."""
     parser = commands.add_parser("distill", help="make self-distillation data for training draft heads (resumable)")
     parser.add_argument("--out", default=None, help="output folder (default data/distill/<model name>)")
+    parser.add_argument(
+        "--store", default=None, help="keep token ids only, in this tracked folder (e.g. heads/data/<model>/<name>)"
+    )
+    parser.add_argument("--max-shards", default=None, help="--store: make at most K of the plan's missing shards")
+    parser.add_argument("--precision", default="bf16", help="weight format of the linears: bf16, int8, int4, auto")
     parser.add_argument("--limit", default=None, help="use only the first K prompts of the 336")
-    parser.add_argument("--check-overlap", action="store_true", help="only check --out's prompts against the bench")
+    parser.add_argument("--check-overlap", action="store_true", help="only check the prompts of --store (or --out)")
     parser.add_argument("--prompts", default="handwritten", choices=("handwritten", "magpie"), help="prompt source")
     parser.add_argument("--magpie-chunks", default=None, help="Magpie: chunks of 64 model-written prompts (= shards)")
     parser.add_argument("--layers", default="none", help="extra features: none, eagle3 (2, L/2, L-3) or 2,15,27")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from lab.params import InputError
 
 HELD_OUT_EVERY = 20
 BASE_KEYS = ("hidden", "topk_ids", "topk_probs")
+Recompute = Callable[[Path], list[dict[str, torch.Tensor]]]  # an ids folder -> its shards with features
 
 
 @dataclass(frozen=True)
@@ -97,10 +98,14 @@ def _read_shard(path: Path, layers: Sequence[int]) -> dict[str, torch.Tensor]:
         return {key: shard.get_tensor(key) for key in wanted}
 
 
-def load_distill(folders: str | Path | Sequence[str | Path], layers: Sequence[int] = ()) -> DistillData:
+def load_distill(
+    folders: str | Path | Sequence[str | Path], layers: Sequence[int] = (), recompute: Recompute | None = None
+) -> DistillData:
     """All shards of one or more data folders, concatenated (sequence ids run on across folders); InputError
     when a folder holds no data, a shard lacks a requested layer, or the folders were made with different models
-    or top-k. `layers`: the features hidden_states[l] to read as well (`features`).
+    or top-k. `layers`: the features hidden_states[l] to read as well (`features`). A folder of token ids only
+    (`lab.training.distill.store`) gets its shards, features included, from `recompute(folder)` (e.g.
+    `lab.training.distill.features.folder_features` with a model bound); without it, InputError.
 
     With several folders, `config` is {"model_shape": ..., "parts": [each folder's config]}."""
     paths = [Path(folders)] if isinstance(folders, str | Path) else [Path(f) for f in folders]
@@ -109,15 +114,8 @@ def load_distill(folders: str | Path | Sequence[str | Path], layers: Sequence[in
     parts: dict[str, list[torch.Tensor]] = {}
     configs, sequences = [], 0
     for folder in paths:
-        config_path = folder / "config.json"
-        shards = sorted(folder.glob("shard_*.safetensors"))
-        if not config_path.is_file() or not shards:
-            raise InputError(
-                f"No self-distillation data in {folder}; make it with `python -m lab distill --out {folder}`."
-            )
-        configs.append(json.loads(config_path.read_text()))
-        for path in shards:
-            shard = _read_shard(path, layers)
+        configs.append(_folder_config(folder))
+        for shard in _folder_shards(folder, layers, recompute):
             for key, value in {**_rows_of_shard(shard, sequences), **shard}.items():
                 if key not in ("tokens", "seq_offsets", "prompt_lengths"):
                     parts.setdefault(key, []).append(value)
@@ -137,6 +135,31 @@ def load_distill(folders: str | Path | Sequence[str | Path], layers: Sequence[in
         prompt=joined["prompt"],
         features={layer: joined[f"hidden.{layer}"] for layer in layers},
     )
+
+
+def _folder_config(folder: Path) -> dict:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise InputError(f"No self-distillation data in {folder}; make it with `python -m lab distill --out {folder}`.")
+    return json.loads(config_path.read_text())
+
+
+def _folder_shards(folder: Path, layers: Sequence[int], recompute: Recompute | None) -> Iterator[dict]:
+    """The shard dicts of one folder: read from its feature shards, or the ids shards with recomputed features."""
+    from lab.training.distill.store import is_ids_folder
+
+    if is_ids_folder(folder):
+        if recompute is None:
+            raise InputError(
+                f"{folder} holds token ids only; its features are recomputed with the model (train-heads)."
+            )
+        yield from recompute(folder)
+        return
+    shards = sorted(folder.glob("shard_*.safetensors"))
+    if not shards:
+        raise InputError(f"No self-distillation data in {folder}; make it with `python -m lab distill --out {folder}`.")
+    for path in shards:
+        yield _read_shard(path, layers)
 
 
 def _check_compatible(configs: list[dict], paths: list[Path]) -> None:

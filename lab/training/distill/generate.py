@@ -86,14 +86,17 @@ def eagle3_layers(num_layers: int) -> tuple[int, ...]:
 Record = tuple[list[int], list[int], dict[str, torch.Tensor]]
 
 
-def respond(loaded: LoadedModel, encoded: list[list[int]], settings: DistillSettings, seed: int) -> list[Record]:
-    """Every response variant (greedy, then the samples) to a batch of encoded prompts, with its captured rows."""
+def respond(
+    loaded: LoadedModel, encoded: list[list[int]], settings: DistillSettings, seed: int, capture: bool = True
+) -> list[Record]:
+    """Every response variant (greedy, then the samples) to a batch of encoded prompts, with its captured rows
+    (`capture` off: the token ids only, with empty row dicts)."""
     generator = torch.Generator(device=loaded.device).manual_seed(seed)
-    capture = Capture(settings.top_k, settings.layers)
+    rows = Capture(settings.top_k, settings.layers) if capture else None
     records = []
     for variant in range(0 if settings.greedy else 1, 1 + settings.samples):
         temperature = settings.temperature if variant > 0 else 0.0
-        decoded = decode_batch(loaded, encoded, settings.max_new_tokens, temperature, generator, capture)
+        decoded = decode_batch(loaded, encoded, settings.max_new_tokens, temperature, generator, rows)
         records += [(prompt, d.response, d.tensors) for prompt, d in zip(encoded, decoded, strict=True)]
     return records
 
