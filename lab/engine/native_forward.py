@@ -6,8 +6,9 @@ that decide what lossless decoding emits on a CPU (one-token steps, and verify f
 `lab.engine.invariance.rows_invariant`, of a batch of one, in bf16 / fp16 with `lab.engine.invariance`'s row-invariant
 attention), `lab/engine/native/decoder_layers.cpp` runs the 30 layers and the final norm as one call of a PyTorch
 custom op. Its steps compute the bits the Python forward computes (transformers' `LlamaRMSNorm`,
-`LlamaAttention` and `LlamaMLP` as `lab.engine.lean_forward` runs them, `lab.engine.quant`'s linears): the products and
-the SiLU are the same ATen calls with the same arguments; the norms, the rotary embedding, the residual adds and
+`LlamaAttention` and `LlamaMLP` as `lab.engine.lean_forward` runs them, `lab.engine.quant`'s linears): the float products and
+the SiLU are the same ATen calls with the same arguments, the bf16 low-bit products the op's own kernels with
+ATen's bits (lab/engine/native/lowbit_mm.cpp, the ones `lab.engine.quant`'s linears call too); the norms, the rotary embedding, the residual adds and
 gate * up are the op's own loops doing ATen's float operations in ATen's order (the norm's sum emulates ATen's
 cascade sum in the vector width `lanes()` finds on this CPU by comparing with `torch.sum`; where none matches,
 and for fp16, those steps stay ATen calls). The attention is `lab.engine.invariance.exact_attention`'s float64
@@ -20,7 +21,7 @@ tested equal to the Python loop's and to `model(...)`'s on tiny models at every 
 model. The embedding, the causal mask, the rotary table, the hidden-key mask and the LM head stay in Python,
 once per forward.
 
-The op is compiled from `lab/engine/native/decoder_layers.cpp` with `torch.utils.cpp_extension` (a C++ compiler and
+The op is compiled from `lab/engine/native/decoder_layers.cpp` and `lowbit_mm.cpp` with `torch.utils.cpp_extension` (a C++ compiler and
 ninja; about 20 s on two cores, cached under `TORCH_EXTENSIONS_DIR`): `python -m lab.engine.native_forward` builds it
 ahead of time (the Makefile's install and the bench do); otherwise the first forward that could use it starts
 the build in the background and forwards keep the Python loop until it is ready. Without a compiler, or when
@@ -46,10 +47,11 @@ from transformers.activations import SiLUActivation
 from transformers.cache_utils import DynamicLayer
 
 from lab.engine import invariance
-from lab.engine.quant import Int4Linear, Int8Linear, joined_linears
+from lab.engine.quant import LOWBIT_SWITCH, Int4Linear, Int8Linear, joined_linears
 
 SWITCH = "DECODING_LAB_NATIVE_FORWARD"  # "0" keeps every forward on lab.engine.lean_forward's Python loop
 SOURCE = Path(__file__).with_name("native") / "decoder_layers.cpp"
+SOURCES = (SOURCE, SOURCE.with_name("lowbit_mm.cpp"))  # the layers, and the low-bit products they and quant call
 EXTENSION = "decoding_lab_native"
 LINEAR_KINDS = {"two-row float": 0, "int8": 1, "int4": 2}  # decoder_layers.cpp's kTwoRowFloat, kInt8, kInt4
 # the attention loop's vector instructions, from the capability PyTorch itself detected on this CPU
@@ -108,8 +110,10 @@ def build(verbose: bool = False) -> bool:
                 flags = ["-O3", "-ffp-contract=off", "-fopenmp-simd"]
                 if torch.backends.cpu.get_cpu_capability() in _VECTOR_CAPABILITIES:
                     flags += _VECTOR_FLAGS
-                load(EXTENSION, [str(SOURCE)], extra_cflags=flags, is_python_module=False, verbose=verbose)
+                load(EXTENSION, [str(s) for s in SOURCES], extra_cflags=flags, is_python_module=False, verbose=verbose)
                 _loaded = hasattr(torch.ops.decoding_lab, "decoder_layers")
+                if _loaded and os.environ.get(LOWBIT_SWITCH, "1") == "0":
+                    torch.ops.decoding_lab.lowbit_active(False)  # ATen's low-bit kernels in the layers too
             except Exception as error:  # no compiler, no ninja, a failed build: the Python loop still runs
                 _log.warning("native decoder layers unavailable (%s); using the Python forward", error)
                 _loaded = False

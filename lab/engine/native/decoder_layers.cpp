@@ -2,8 +2,8 @@
 // (lab/engine/native_forward.py says when it is used).
 //
 // Each step computes the bits the Python forward (lab/engine/lean_forward.py over transformers' LlamaRMSNorm /
-// LlamaAttention / LlamaMLP, and lab/engine/quant.py's linears) computes: the products and the SiLU as the same ATen
-// calls, the norms and elementwise steps as loops doing ATen's float operations in ATen's order. What goes away
+// LlamaAttention / LlamaMLP, and lab/engine/quant.py's linears) computes: the float products and the SiLU as the same
+// ATen calls, the bf16 low-bit products as lowbit_mm.cpp's kernels (ATen's bits, one unpacking for all rows), the norms and elementwise steps as loops doing ATen's float operations in ATen's order. What goes away
 // is the Python interpreter and most of the ATen calls between the products. The attention is
 // lab/engine/invariance.py's exact_attention computed by one loop per (head, query row) instead of its batched float64
 // products (see exact_attention below for why the results agree).
@@ -11,6 +11,8 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "lowbit_mm.h"
 
 #include <algorithm>
 #include <cmath>
@@ -55,13 +57,17 @@ at::Tensor linear(Reader& in, const at::Tensor& x) {
   }
   const at::Tensor& packed = in.tensor();
   const at::Tensor& scales = in.tensor();
+  const bool lowbit = lowbit::active();
   if (flat.scalar_type() != scales.scalar_type()) flat = flat.to(scales.scalar_type());
   if (!flat.is_contiguous()) flat = flat.contiguous();
+  // the row-efficient kernels of lowbit_mm.cpp where they take the product (bf16), ATen's with the same bits otherwise
   if (kind == kInt8) {
-    y = at::_weight_int8pack_mm(flat, packed, scales);
+    y = lowbit && lowbit::int8_takes(flat, packed, scales) ? lowbit::int8_mm(flat, packed, scales, lowbit::kBest)
+                                                 : at::_weight_int8pack_mm(flat, packed, scales);
   } else {
     TORCH_CHECK(kind == kInt4, "unknown linear kind ", kind);
-    y = at::_weight_int4pack_mm_for_cpu(flat, packed, kGroup, scales);
+    y = lowbit && lowbit::int4_takes(flat, packed, scales) ? lowbit::int4_mm(flat, packed, scales, lowbit::kBest)
+                                                 : at::_weight_int4pack_mm_for_cpu(flat, packed, kGroup, scales);
   }
   if (has_bias) y = y + in.tensor();
   return y.reshape(out_shape);
