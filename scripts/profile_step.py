@@ -14,7 +14,7 @@ machine: run it alone. With the C++ decoder layers (`lab.engine.native_forward`)
 `--compare-native` instead times the decode step and the tree verify with the C++ layers on and off
 (`DECODING_LAB_NATIVE_FORWARD`), interleaved in rounds in one process, so the machine's drift hits both alike,
 and checks that both give the same logits. `--compare-lowbit` times the decode step and chain verifies of 4, 8
-and 16 rows with ATen's low-bit kernels and with the op's row-efficient ones (lab/engine/native/lowbit_mm.cpp),
+and 16 rows with ATen's low-bit kernels and with the op's row-efficient ones (lab/engine/native/lowbit_mm.h),
 interleaved the same way.
 
 usage: python scripts/profile_step.py [--precisions bf16,int8,int4] [--steps 40] [--nodes 16] [--compare-native]

@@ -1,4 +1,4 @@
-"""The op's row-efficient low-bit products (lab/engine/native/lowbit_mm.cpp): every instruction-set variant this CPU
+"""The op's row-efficient low-bit products (lab/engine/native/lowbit_mm.h): every instruction-set variant this CPU
 runs returns ATen's bits (int4 and int8, bf16), for any row count and for partial column blocks; a row does not
 depend on the other rows; forwards give the same bits with one and two threads and with ATen's kernels."""
 

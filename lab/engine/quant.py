@@ -16,7 +16,7 @@ the weights in fewer bits and multiplying them with PyTorch's CPU kernels cuts t
 - `resolve_precision("auto", ...)`: bf16 (no weight quantization) on CUDA and MPS; on CPU the fastest of the
   three by a one-off measurement of a decode-shaped product, like the dtype (`lab.engine.models`).
 - With bf16 activations and the C++ op built (`lab.engine.native_forward`), both linears run the op's own products
-  (lab/engine/native/lowbit_mm.cpp): each weight tile unpacked once for all rows of a forward, each output the bits
+  (lab/engine/native/lowbit_mm.h): each weight tile unpacked once for all rows of a forward, each output the bits
   of ATen's AVX-512 kernel (tested against it for every instruction-set variant the CPU runs), so a verify forward
   of M rows no longer costs ATen's unpacking per block of 4 rows. Until the op is loaded, without a compiler, or
   with `DECODING_LAB_LOWBIT=0` (`set_lowbit_kernels`), ATen's kernels run: the same bits on a CPU where ATen runs
@@ -170,7 +170,7 @@ class Int8Linear(nn.Module):
         scales, bias = buffers["scales"], buffers["bias"]
         flat = _activations(x, self.in_features, scales.dtype)  # [M, K]
         ops = _lowbit_ops() if scales.dtype == torch.bfloat16 and self.in_features % 16 == 0 else None
-        if ops is not None:  # the same bits, each weight read once for all rows (lab/engine/native/lowbit_mm.cpp)
+        if ops is not None:  # the same bits, each weight read once for all rows (lab/engine/native/lowbit_mm.h)
             y = ops.int8_mm(flat, buffers["qweight"], scales)
         else:
             y = torch._weight_int8pack_mm(flat, buffers["qweight"], scales)  # [M, N]

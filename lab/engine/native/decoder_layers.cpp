@@ -3,9 +3,10 @@
 //
 // Each step computes the bits the Python forward (lab/engine/lean_forward.py over transformers' LlamaRMSNorm /
 // LlamaAttention / LlamaMLP, and lab/engine/quant.py's linears) computes: the float products and the SiLU as the same
-// ATen calls, the bf16 low-bit products as lowbit_mm.cpp's kernels (ATen's bits, one unpacking for all rows), the norms and elementwise steps as loops doing ATen's float operations in ATen's order. What goes away
-// is the Python interpreter and most of the ATen calls between the products. The attention is
-// lab/engine/invariance.py's exact_attention computed by one loop per (head, query row) instead of its batched float64
+// ATen calls, the bf16 low-bit products as lowbit_mm.h's kernels (ATen's bits, one unpacking for all rows), the norms
+// and elementwise steps as loops doing ATen's float operations in ATen's order. What goes away is the Python
+// interpreter and most of the ATen calls between the products. The attention is lab/engine/invariance.py's
+// exact_attention computed by one loop per (head, query row) instead of its batched float64
 // products (see exact_attention below for why the results agree).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -60,7 +61,7 @@ at::Tensor linear(Reader& in, const at::Tensor& x) {
   const bool lowbit = lowbit::active();
   if (flat.scalar_type() != scales.scalar_type()) flat = flat.to(scales.scalar_type());
   if (!flat.is_contiguous()) flat = flat.contiguous();
-  // the row-efficient kernels of lowbit_mm.cpp where they take the product (bf16), ATen's with the same bits otherwise
+  // the row-efficient kernels of lowbit_mm.h where they take the product (bf16), ATen's with the same bits otherwise
   if (kind == kInt8) {
     y = lowbit && lowbit::int8_takes(flat, packed, scales) ? lowbit::int8_mm(flat, packed, scales, lowbit::kBest)
                                                  : at::_weight_int8pack_mm(flat, packed, scales);

@@ -1,5 +1,5 @@
-// Row-efficient low-bit matrix products with ATen's bits (lowbit_mm.cpp; lab/engine/native_forward.py says where
-// they run). Shared by the decoder layers op and the ops the Python linears call.
+// Row-efficient low-bit matrix products with ATen's bits (lowbit_int4.cpp, lowbit_int8.cpp;
+// lab/engine/native_forward.py says where they run), shared by the decoder layers op and the Python linears' ops.
 #pragma once
 
 #include <ATen/ATen.h>
