@@ -106,10 +106,20 @@ def build(verbose: bool = False) -> bool:
             try:
                 from torch.utils.cpp_extension import load
 
-                flags = ["-O3", "-ffp-contract=off", "-fopenmp-simd"]
+                # -fopenmp: at::parallel_for is an inline OpenMP region, serial without it; the library it links,
+                # libgomp.so.1, is the one PyTorch already loaded (torch.set_num_threads applies to the op too)
+                flags = ["-O3", "-ffp-contract=off", "-fopenmp"]
                 if torch.backends.cpu.get_cpu_capability() in _VECTOR_CAPABILITIES:
                     flags += _VECTOR_FLAGS
-                load(EXTENSION, [str(s) for s in SOURCES], extra_cflags=flags, is_python_module=False, verbose=verbose)
+                sources = [str(s) for s in SOURCES]
+                load(
+                    EXTENSION,
+                    sources,
+                    extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"],
+                    is_python_module=False,
+                    verbose=verbose,
+                )
                 _loaded = hasattr(torch.ops.decoding_lab, "decoder_layers")
                 if _loaded and os.environ.get(LOWBIT_SWITCH, "1") == "0":
                     torch.ops.decoding_lab.lowbit_active(False)  # ATen's low-bit kernels in the layers too

@@ -309,9 +309,11 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& key, const 
     const int64_t kv = task / (shared * rows), i = task % (shared * rows);
     return Task{kv, kv * shared + i / rows, i % rows};
   };
+  // tasks per thread at least: a decode step's few short tasks stay on one thread (a parallel region costs more)
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, keys * dim));
   at::Tensor scores = at::empty({kv_heads, shared * rows, keys}, query.options().dtype(at::kDouble));
   double* score_data = scores.data_ptr<double>();
-  at::parallel_for(0, kv_heads * shared * rows, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, kv_heads * shared * rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<double> query_row(dim);
     for (int64_t task = begin; task < end; ++task) {
       const auto [kv, h, t] = task_of(task);
@@ -351,7 +353,7 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& key, const 
   const double* weight_data = weights.data_ptr<double>();
   at::Tensor out = at::empty({1, rows, heads, dim}, query.options());
   scalar_t* out_data = out.data_ptr<scalar_t>();
-  at::parallel_for(0, kv_heads * shared * rows, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, kv_heads * shared * rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<double> acc(dim);
     for (int64_t task = begin; task < end; ++task) {
       const auto [kv, h, t] = task_of(task);

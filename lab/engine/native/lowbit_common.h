@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <vector>
 
 #include "lowbit_mm.h"
 
@@ -38,6 +39,13 @@ inline int64_t resolve(int64_t variant) {
   return variant;
 }
 
-inline at::Tensor widened(const at::Tensor& x) { return x.contiguous().to(at::kFloat); }  // bf16 -> float: exact
+// x [M, K] bf16 as floats (exact) in a buffer of the calling thread (no tensor allocation per product)
+inline const float* widened(const at::Tensor& x, std::vector<float>& buffer) {
+  const at::Tensor c = x.contiguous();
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(c.data_ptr());
+  buffer.resize(c.numel());
+  for (int64_t i = 0; i < c.numel(); ++i) buffer[i] = bf16_value(bits[i]);
+  return buffer.data();
+}
 
 }  // namespace lowbit

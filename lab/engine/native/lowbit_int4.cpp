@@ -193,8 +193,8 @@ template <int R>
 __attribute__((target("avx512f"))) void fused_avx512(const float* a, const Int4Weights& w, int64_t c0,
                                                      uint16_t* out) {
   const uint8_t* packed = w.packed + c0 * w.k / 2;  // [K, 32] bytes
-  const __m512i low = _mm512_set1_epi32(15);
-  const __m512 eight = _mm512_set1_ps(8.0f);
+  // q - 8 for q = 0 ... 15, looked up by the low 4 bits of each 32-bit lane (one permute instead of mask, convert, sub)
+  const __m512 centred = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   __m512 c[R][4], s[4], z[4];
 #pragma GCC unroll 24
   for (int i = 0; i < R * 4; ++i) c[i / 4][i % 4] = _mm512_setzero_ps();
@@ -212,12 +212,12 @@ __attribute__((target("avx512f"))) void fused_avx512(const float* a, const Int4W
       const __m512i first = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes));  // columns 0-15 | 32-47
       const __m512i second = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(bytes, 1));  // 16-31 | 48-63
       __m512 v[4];
-      v[0] = _mm512_cvtepi32_ps(_mm512_and_si512(first, low));
-      v[1] = _mm512_cvtepi32_ps(_mm512_and_si512(second, low));
-      v[2] = _mm512_cvtepi32_ps(_mm512_srli_epi32(first, 4));
-      v[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(second, 4));
+      v[0] = _mm512_permutexvar_ps(first, centred);
+      v[1] = _mm512_permutexvar_ps(second, centred);
+      v[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(first, 4), centred);
+      v[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(second, 4), centred);
 #pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) v[u] = _mm512_fmadd_ps(_mm512_sub_ps(v[u], eight), s[u], z[u]);
+      for (int u = 0; u < 4; ++u) v[u] = _mm512_fmadd_ps(v[u], s[u], z[u]);
 #pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
         const __m512 x = _mm512_set1_ps(a[r * w.k + k]);
@@ -390,17 +390,18 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   TORCH_CHECK(int4_takes(x, packed, scales_and_zeros), "int4_mm: bf16 x [M, K], packed [N, K / 2] in ATen's layout, ",
               "scales_and_zeros [K / 32, N, 2] bf16, K a multiple of 32, N of 16");
   variant = resolve(variant);
-  const at::Tensor a = widened(x);
-  const int64_t m = a.size(0), n = packed.size(0);
+  thread_local std::vector<float> buffer;
+  const float* a = widened(x, buffer);
+  const int64_t m = x.size(0), n = packed.size(0);
   at::Tensor out = at::empty({m, n}, x.options());
   const Int4Weights w{reinterpret_cast<const uint8_t*>(packed.data_ptr()),
-                      reinterpret_cast<const uint16_t*>(scales_and_zeros.data_ptr()), n, a.size(1), int4_layout()};
+                      reinterpret_cast<const uint16_t*>(scales_and_zeros.data_ptr()), n, x.size(1), int4_layout()};
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   if (m == 0 || n == 0) return out;
   if (variant == kReference) {
-    int4_reference(a.data_ptr<float>(), m, w, o);
+    int4_reference(a, m, w, o);
   } else {
-    int4_vector(variant, a.data_ptr<float>(), m, w, o);
+    int4_vector(variant, a, m, w, o);
   }
   return out;
 }

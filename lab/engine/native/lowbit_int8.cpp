@@ -179,16 +179,17 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
   TORCH_CHECK(int8_takes(x, qweight, scales), "int8_mm: bf16 x [M, K], int8 qweight [N, K], bf16 scales [N], ",
               "K a multiple of 16");
   variant = resolve(variant);
-  const at::Tensor a = widened(x);
-  const int64_t m = a.size(0), n = qweight.size(0);
+  thread_local std::vector<float> buffer;
+  const float* a = widened(x, buffer);
+  const int64_t m = x.size(0), n = qweight.size(0);
   at::Tensor out = at::empty({m, n}, x.options());
-  const Int8Weights w{qweight.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()), n, a.size(1)};
+  const Int8Weights w{qweight.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()), n, x.size(1)};
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   if (m == 0 || n == 0) return out;
   if (variant == kReference) {
-    int8_reference(a.data_ptr<float>(), m, w, o);
+    int8_reference(a, m, w, o);
   } else {
-    int8_vector(variant, a.data_ptr<float>(), m, w, o);
+    int8_vector(variant, a, m, w, o);
   }
   return out;
 }
