@@ -13,9 +13,12 @@ machine: run it alone. With the C++ decoder layers (`lab.engine.native_forward`)
 
 `--compare-native` instead times the decode step and the tree verify with the C++ layers on and off
 (`DECODING_LAB_NATIVE_FORWARD`), interleaved in rounds in one process, so the machine's drift hits both alike,
-and checks that both give the same logits.
+and checks that both give the same logits. `--compare-lowbit` times the decode step and chain verifies of 4, 8
+and 16 rows with ATen's low-bit kernels and with the op's row-efficient ones (lab/engine/native/lowbit_mm.h),
+interleaved the same way.
 
 usage: python scripts/profile_step.py [--precisions bf16,int8,int4] [--steps 40] [--nodes 16] [--compare-native]
+       [--compare-lowbit]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 from lab.engine import native_forward, runtime
 from lab.engine.invariance import rows_invariant
 from lab.engine.models import LoadedModel, load_model
+from lab.engine.quant import set_lowbit_kernels
 from lab.engine.tree_attention import TreeAttention, build_tree_attention
 from lab.params import build_params
 from lab.trace import summarize
@@ -125,6 +129,31 @@ def compare_native(loaded: LoadedModel, nodes: int, steps: int, rounds: int = 8)
     return lines
 
 
+def compare_lowbit(loaded: LoadedModel, steps: int, rounds: int = 6) -> list[str]:
+    """Table rows: the decode step and chain verifies of 4, 8 and 16 rows with ATen's low-bit kernels and with the
+    op's row-efficient ones (`lab.engine.quant.set_lowbit_kernels`), interleaved in `rounds` rounds of `steps`
+    calls; each verify also as a multiple of the decode step with the same kernels."""
+    calls = {"decode step": step_calls(loaded, 1)[0]}
+    calls |= {f"verify {rows}-node tree": step_calls(loaded, rows)[1] for rows in (4, 8, 16)}
+    times: dict[tuple[str, bool], list[float]] = {}
+    for index in range(rounds):
+        for on in (False, True) if index % 2 == 0 else (True, False):
+            set_lowbit_kernels(on)
+            for label, fn in calls.items():
+                times.setdefault((label, on), []).append(median_ms(fn, steps))
+    set_lowbit_kernels(True)
+    ms = {key: statistics.median(values) for key, values in times.items()}
+    lines = []
+    for label in calls:
+        off, on = ms[(label, False)], ms[(label, True)]
+        step_off, step_on = ms[("decode step", False)], ms[("decode step", True)]
+        lines.append(
+            f"| {loaded.precision} | {label} | {off:.2f} ({off / step_off:.2f}x step) | "
+            f"{on:.2f} ({on / step_on:.2f}x step) | {off / on:.2f}x |"
+        )
+    return lines
+
+
 def same_logits(loaded: LoadedModel) -> bool:
     """A few greedy steps with the C++ layers off and on give the same logits (bit for bit)."""
     outputs = []
@@ -147,9 +176,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--nodes", type=int, default=16)
     parser.add_argument("--compare-native", action="store_true", help="C++ layers off / on, interleaved")
+    parser.add_argument("--compare-lowbit", action="store_true", help="ATen's / the op's low-bit kernels, interleaved")
     args = parser.parse_args()
     native = native_forward.enabled()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}, C++ layers {native}\n")
+    if args.compare_lowbit:
+        lines = [
+            "| precision | call | ATen's kernels: median ms | the op's kernels | speedup |",
+            "|---|---|---|---|---|",
+        ]
+        for precision in args.precisions.split(","):
+            loaded = load_model("smollm2-135m", device="cpu", dtype=args.dtype, precision=precision)
+            with torch.inference_mode():
+                lines += compare_lowbit(loaded, args.steps)
+        print("\n".join(lines))
+        return
     if args.compare_native:
         lines = ["| precision | call | C++ layers off: median ms | on: median ms | speedup |", "|---|---|---|---|---|"]
         for precision in args.precisions.split(","):

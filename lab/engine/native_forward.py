@@ -1,32 +1,32 @@
 """The decoder layers of a row-invariant Llama forward as one C++ call (issue 17: per-step overhead).
 
 After `lab.engine.lean_forward`, a decode step of the embedded model still runs about a hundred small tensor ops per
-layer from Python, and the interpreter between them costs more than the matrix products. For the forwards
-that decide what lossless decoding emits on a CPU (one-token steps, and verify forwards under
-`lab.engine.invariance.rows_invariant`, of a batch of one, in bf16 / fp16 with `lab.engine.invariance`'s row-invariant
-attention), `lab/engine/native/decoder_layers.cpp` runs the 30 layers and the final norm as one call of a PyTorch
-custom op. Its steps compute the bits the Python forward computes (transformers' `LlamaRMSNorm`,
-`LlamaAttention` and `LlamaMLP` as `lab.engine.lean_forward` runs them, `lab.engine.quant`'s linears): the products and
-the SiLU are the same ATen calls with the same arguments; the norms, the rotary embedding, the residual adds and
-gate * up are the op's own loops doing ATen's float operations in ATen's order (the norm's sum emulates ATen's
-cascade sum in the vector width `lanes()` finds on this CPU by comparing with `torch.sum`; where none matches,
-and for fp16, those steps stay ATen calls). The attention is `lab.engine.invariance.exact_attention`'s float64
-attention computed by one loop per (head, query row): the same exact float64 scores, ATen's softmax, and a
-weighted sum of values in another order than the batched product, so its bf16 outputs equal
-`exact_attention`'s except where a ~1e-16 relative difference lands on a rounding boundary (the odds
-`exact_attention`'s docstring gives; none seen in the tests). Each row's loop is the same whatever the row
-count, so a verify row equals the decode step of its path bit for bit. Logits, hidden states and cache are
-tested equal to the Python loop's and to `model(...)`'s on tiny models at every precision and on the embedded
-model. The embedding, the causal mask, the rotary table, the hidden-key mask and the LM head stay in Python,
-once per forward.
+layer from Python, and the interpreter between them costs more than the matrix products. For the forwards that
+decide what lossless decoding emits on a CPU (one-token steps, and verify forwards under
+`lab.engine.invariance.rows_invariant`, of a batch of one, in bf16 / fp16 with `lab.engine.invariance`'s
+row-invariant attention), `lab/engine/native/decoder_layers.cpp` runs the 30 layers and the final norm as one call
+of a PyTorch custom op. Its steps compute the bits the Python forward computes (transformers' `LlamaRMSNorm`,
+`LlamaAttention` and `LlamaMLP` as `lab.engine.lean_forward` runs them, `lab.engine.quant`'s linears): the float
+products and the SiLU are the same ATen calls with the same arguments, the bf16 low-bit products the op's own
+kernels with ATen's bits (lab/engine/native/lowbit_mm.h, which `lab.engine.quant`'s linears call too); the norms,
+the rotary embedding, the residual adds and gate * up are the op's own loops doing ATen's float operations in ATen's
+order (the norm's sum emulates ATen's cascade sum in the vector width `lanes()` finds on this CPU by comparing with
+`torch.sum`; where none matches, and for fp16, those steps stay ATen calls). The attention is
+`lab.engine.invariance.exact_attention`'s float64 attention computed by one loop per (head, query row): the same
+exact float64 scores, ATen's softmax, and a weighted sum of values in another order than the batched product, so its
+bf16 outputs equal `exact_attention`'s except where a ~1e-16 relative difference lands on a rounding boundary (the
+odds `exact_attention`'s docstring gives; none seen in the tests). Each row's loop is the same whatever the row
+count, so a verify row equals the decode step of its path bit for bit. Logits, hidden states and cache are tested
+equal to the Python loop's and to `model(...)`'s on tiny models at every precision and on the embedded model. The
+embedding, the causal mask, the rotary table, the hidden-key mask and the LM head stay in Python, once per forward.
 
-The op is compiled from `lab/engine/native/decoder_layers.cpp` with `torch.utils.cpp_extension` (a C++ compiler and
-ninja; about 20 s on two cores, cached under `TORCH_EXTENSIONS_DIR`): `python -m lab.engine.native_forward` builds it
-ahead of time (the Makefile's install and the bench do); otherwise the first forward that could use it starts
-the build in the background and forwards keep the Python loop until it is ready. Without a compiler, or when
-the build fails, they keep it for good, after one warning. `DECODING_LAB_NATIVE_FORWARD=0` turns the op off.
-Prefill, batched forwards, float32 and CUDA models, and models with other modules (adapters, other linears)
-keep `lab.engine.lean_forward`'s Python loop.
+The op is compiled from `lab/engine/native/decoder_layers.cpp` and the low-bit kernels (`SOURCES`) with
+`torch.utils.cpp_extension` (a C++ compiler and ninja; about 20 s on two cores, cached under
+`TORCH_EXTENSIONS_DIR`): `python -m lab.engine.native_forward` builds it ahead of time (the Makefile's install and
+the bench do); otherwise the first forward that could use it starts the build in the background and forwards keep
+the Python loop until it is ready. Without a compiler, or when the build fails, they keep it for good, after one
+warning. `DECODING_LAB_NATIVE_FORWARD=0` turns the op off. Prefill, batched forwards, float32 and CUDA models, and
+models with other modules (adapters, other linears) keep `lab.engine.lean_forward`'s Python loop.
 """
 
 from __future__ import annotations
@@ -46,10 +46,11 @@ from transformers.activations import SiLUActivation
 from transformers.cache_utils import DynamicLayer
 
 from lab.engine import invariance
-from lab.engine.quant import Int4Linear, Int8Linear, joined_linears
+from lab.engine.quant import LOWBIT_SWITCH, Int4Linear, Int8Linear, joined_linears
 
 SWITCH = "DECODING_LAB_NATIVE_FORWARD"  # "0" keeps every forward on lab.engine.lean_forward's Python loop
 SOURCE = Path(__file__).with_name("native") / "decoder_layers.cpp"
+SOURCES = (SOURCE, SOURCE.with_name("lowbit_int4.cpp"), SOURCE.with_name("lowbit_int8.cpp"))  # + low-bit products
 EXTENSION = "decoding_lab_native"
 LINEAR_KINDS = {"two-row float": 0, "int8": 1, "int4": 2}  # decoder_layers.cpp's kTwoRowFloat, kInt8, kInt4
 # the attention loop's vector instructions, from the capability PyTorch itself detected on this CPU
@@ -105,11 +106,23 @@ def build(verbose: bool = False) -> bool:
             try:
                 from torch.utils.cpp_extension import load
 
-                flags = ["-O3", "-ffp-contract=off", "-fopenmp-simd"]
+                # -fopenmp: at::parallel_for is an inline OpenMP region, serial without it; the library it links,
+                # libgomp.so.1, is the one PyTorch already loaded (torch.set_num_threads applies to the op too)
+                flags = ["-O3", "-ffp-contract=off", "-fopenmp"]
                 if torch.backends.cpu.get_cpu_capability() in _VECTOR_CAPABILITIES:
                     flags += _VECTOR_FLAGS
-                load(EXTENSION, [str(SOURCE)], extra_cflags=flags, is_python_module=False, verbose=verbose)
+                sources = [str(s) for s in SOURCES]
+                load(
+                    EXTENSION,
+                    sources,
+                    extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"],
+                    is_python_module=False,
+                    verbose=verbose,
+                )
                 _loaded = hasattr(torch.ops.decoding_lab, "decoder_layers")
+                if _loaded and os.environ.get(LOWBIT_SWITCH, "1") == "0":
+                    torch.ops.decoding_lab.lowbit_active(False)  # ATen's low-bit kernels in the layers too
             except Exception as error:  # no compiler, no ninja, a failed build: the Python loop still runs
                 _log.warning("native decoder layers unavailable (%s); using the Python forward", error)
                 _loaded = False

@@ -15,6 +15,13 @@ the weights in fewer bits and multiplying them with PyTorch's CPU kernels cuts t
   working: the input embedding is a separate module and keeps its own float weight for the lookup.
 - `resolve_precision("auto", ...)`: bf16 (no weight quantization) on CUDA and MPS; on CPU the choice of
   `lab.engine.defaults` (low-bit weights always with the bfloat16 activations their kernels are fast in).
+- With bf16 activations and the C++ op built (`lab.engine.native_forward`), both linears run the op's own products
+  (lab/engine/native/lowbit_mm.h): each weight tile unpacked once for all rows of a forward, each output the bits
+  of ATen's AVX-512 kernel (tested against it for every instruction-set variant the CPU runs), so a verify forward
+  of M rows no longer costs ATen's unpacking per block of 4 rows. Until the op is loaded, without a compiler, or
+  with `DECODING_LAB_LOWBIT=0` (`set_lowbit_kernels`), ATen's kernels run: the same bits on a CPU where ATen runs
+  its AVX-512 kernels (elsewhere ATen's AVX2 or plain kernels round differently, and the op is what a run uses
+  once it is built).
 Hidden states, norms, attention and the embedding are untouched, so early exits (DoLa) and the draft heads
 (EAGLE, Medusa, MTPC) see the same kind of tensors at every precision; a quantized module's `weight` property
 dequantizes on demand for code that reads the matrix (the heads' LM-head rows).
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +97,47 @@ def permute_rows_like_hf(groups: Q4Groups, heads: int) -> Q4Groups:
     return Q4Groups(groups.q[order], groups.d[order], groups.m[order])
 
 
+LOWBIT_SWITCH = "DECODING_LAB_LOWBIT"  # "0": ATen's low-bit kernels everywhere (the same bits, slower verifies)
+_native = None  # lab.engine.native_forward, imported on first use (it imports this module)
+_kernels_on: bool | None = None  # None: not set yet (the switch decides on first use)
+
+
+def set_lowbit_kernels(on: bool) -> None:
+    """Use the op's row-efficient low-bit products (on) or ATen's (off) in the linears and the native decoder
+    layers from now on (A/B measurements; both give the same bits)."""
+    global _kernels_on
+    _kernels_on = on
+    if _lowbit_ops(any_setting=True) is not None:
+        torch.ops.decoding_lab.lowbit_active(on)
+
+
+def _lowbit_ops(any_setting: bool = False):
+    """`torch.ops.decoding_lab` once the native op is loaded (its row-efficient low-bit products) and they are on,
+    else None (the first call starts its build in the background, as a forward would)."""
+    global _native, _kernels_on
+    if _native is None:
+        from lab.engine import native_forward
+
+        _native = native_forward
+    if _kernels_on is None:
+        _kernels_on = os.environ.get(LOWBIT_SWITCH, "1") != "0"
+    if not _native.available():
+        return None
+    return torch.ops.decoding_lab if _kernels_on or any_setting else None
+
+
+_int4_layout: int | None = None  # ATen's packed int4 layout as the op found it (-1: one it does not read)
+
+
+def _int4_ops():
+    """`_lowbit_ops()` when its int4 product reads the packed layout of this PyTorch build, else None."""
+    global _int4_layout
+    ops = _lowbit_ops()
+    if ops is not None and _int4_layout is None:
+        _int4_layout = int(ops.int4_layout())
+    return ops if ops is not None and _int4_layout >= 0 else None
+
+
 def _activations(x: torch.Tensor, features: int, dtype: torch.dtype) -> torch.Tensor:
     """x as the contiguous [M, K] matrix in `dtype` that the low-bit kernels take (no copy when it already is)."""
     flat = x.reshape(-1, features)
@@ -118,7 +167,11 @@ class Int8Linear(nn.Module):
         buffers = self._buffers  # direct reads: a decode step makes ~150 of these calls (issue 17, overhead)
         scales, bias = buffers["scales"], buffers["bias"]
         flat = _activations(x, self.in_features, scales.dtype)  # [M, K]
-        y = torch._weight_int8pack_mm(flat, buffers["qweight"], scales)  # [M, N]
+        ops = _lowbit_ops() if scales.dtype == torch.bfloat16 and self.in_features % 16 == 0 else None
+        if ops is not None:  # the same bits, each weight read once for all rows (lab/engine/native/lowbit_mm.h)
+            y = ops.int8_mm(flat, buffers["qweight"], scales)
+        else:
+            y = torch._weight_int8pack_mm(flat, buffers["qweight"], scales)  # [M, N]
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -147,7 +200,11 @@ class Int4Linear(nn.Module):
         buffers = self._buffers
         scales_and_zeros, bias = buffers["scales_and_zeros"], buffers["bias"]
         flat = _activations(x, self.in_features, scales_and_zeros.dtype)  # [M, K]
-        y = torch._weight_int4pack_mm_for_cpu(flat, buffers["packed"], GROUP, scales_and_zeros)  # [M, N]
+        ops = _int4_ops() if scales_and_zeros.dtype == torch.bfloat16 else None
+        if ops is not None:  # the same bits, each weight unpacked once for all rows
+            y = ops.int4_mm(flat, buffers["packed"], scales_and_zeros)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(flat, buffers["packed"], GROUP, scales_and_zeros)  # [M, N]
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -2,15 +2,18 @@
 // (lab/engine/native_forward.py says when it is used).
 //
 // Each step computes the bits the Python forward (lab/engine/lean_forward.py over transformers' LlamaRMSNorm /
-// LlamaAttention / LlamaMLP, and lab/engine/quant.py's linears) computes: the products and the SiLU as the same ATen
-// calls, the norms and elementwise steps as loops doing ATen's float operations in ATen's order. What goes away
-// is the Python interpreter and most of the ATen calls between the products. The attention is
-// lab/engine/invariance.py's exact_attention computed by one loop per (head, query row) instead of its batched float64
+// LlamaAttention / LlamaMLP, and lab/engine/quant.py's linears) computes: the float products and the SiLU as the same
+// ATen calls, the bf16 low-bit products as lowbit_mm.h's kernels (ATen's bits, one unpacking for all rows), the norms
+// and elementwise steps as loops doing ATen's float operations in ATen's order. What goes away is the Python
+// interpreter and most of the ATen calls between the products. The attention is lab/engine/invariance.py's
+// exact_attention computed by one loop per (head, query row) instead of its batched float64
 // products (see exact_attention below for why the results agree).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "lowbit_mm.h"
 
 #include <algorithm>
 #include <cmath>
@@ -55,13 +58,17 @@ at::Tensor linear(Reader& in, const at::Tensor& x) {
   }
   const at::Tensor& packed = in.tensor();
   const at::Tensor& scales = in.tensor();
+  const bool lowbit = lowbit::active();
   if (flat.scalar_type() != scales.scalar_type()) flat = flat.to(scales.scalar_type());
   if (!flat.is_contiguous()) flat = flat.contiguous();
+  // the row-efficient kernels of lowbit_mm.h where they take the product (bf16), ATen's with the same bits otherwise
   if (kind == kInt8) {
-    y = at::_weight_int8pack_mm(flat, packed, scales);
+    y = lowbit && lowbit::int8_takes(flat, packed, scales) ? lowbit::int8_mm(flat, packed, scales, lowbit::kBest)
+                                                 : at::_weight_int8pack_mm(flat, packed, scales);
   } else {
     TORCH_CHECK(kind == kInt4, "unknown linear kind ", kind);
-    y = at::_weight_int4pack_mm_for_cpu(flat, packed, kGroup, scales);
+    y = lowbit && lowbit::int4_takes(flat, packed, scales) ? lowbit::int4_mm(flat, packed, scales, lowbit::kBest)
+                                                 : at::_weight_int4pack_mm_for_cpu(flat, packed, kGroup, scales);
   }
   if (has_bias) y = y + in.tensor();
   return y.reshape(out_shape);
@@ -302,9 +309,11 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& key, const 
     const int64_t kv = task / (shared * rows), i = task % (shared * rows);
     return Task{kv, kv * shared + i / rows, i % rows};
   };
+  // tasks per thread at least: a decode step's few short tasks stay on one thread (a parallel region costs more)
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, keys * dim));
   at::Tensor scores = at::empty({kv_heads, shared * rows, keys}, query.options().dtype(at::kDouble));
   double* score_data = scores.data_ptr<double>();
-  at::parallel_for(0, kv_heads * shared * rows, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, kv_heads * shared * rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<double> query_row(dim);
     for (int64_t task = begin; task < end; ++task) {
       const auto [kv, h, t] = task_of(task);
@@ -344,7 +353,7 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& key, const 
   const double* weight_data = weights.data_ptr<double>();
   at::Tensor out = at::empty({1, rows, heads, dim}, query.options());
   scalar_t* out_data = out.data_ptr<scalar_t>();
-  at::parallel_for(0, kv_heads * shared * rows, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, kv_heads * shared * rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<double> acc(dim);
     for (int64_t task = begin; task < end; ++task) {
       const auto [kv, h, t] = task_of(task);

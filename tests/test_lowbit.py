@@ -1,0 +1,112 @@
+"""The op's row-efficient low-bit products (lab/engine/native/lowbit_mm.h): every instruction-set variant this CPU
+runs returns ATen's bits (int4 and int8, bf16), for any row count and for partial column blocks; a row does not
+depend on the other rows; forwards give the same bits with one and two threads and with ATen's kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from lab.engine import native_forward
+from lab.engine.invariance import rows_invariant
+from lab.engine.lean_forward import lean_forward
+from lab.engine.models import wrap_model
+from lab.engine.quant import GROUP, Int4Linear, Int8Linear, q4_from_weight, quantize_model, set_lowbit_kernels
+from tests.test_lean_forward import _forwards
+from tests.tiny import ByteTokenizer, tiny_llama
+
+pytestmark = pytest.mark.skipif(not native_forward.build(), reason="no C++ compiler: ATen's kernels run")
+SHAPES = [(1536, 576), (960, 576), (48, 64), (112, 96), (16, 32)]  # full 64-column blocks and partial ones
+ROWS = (1, 2, 5, 7, 8, 13, 17)
+
+
+def _modules(n: int, k: int, seed: int) -> tuple[Int4Linear, Int8Linear]:
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.02
+    return Int4Linear(q4_from_weight(weight), None, torch.bfloat16), Int8Linear(weight, None, torch.bfloat16)
+
+
+def test_the_packed_layout_of_this_build_is_found() -> None:
+    assert torch.ops.decoding_lab.int4_layout() in (64, 32, 0)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_every_variant_returns_atens_bits(n: int, k: int) -> None:
+    variants = list(torch.ops.decoding_lab.lowbit_variants())
+    assert 0 in variants  # the plain C++ reference runs everywhere
+    int4, int8 = _modules(n, k, seed=n + k)
+    generator = torch.Generator().manual_seed(k)
+    for rows in ROWS:
+        x = (torch.randn(rows, k, generator=generator) * 3).to(torch.bfloat16)
+        expected4 = torch._weight_int4pack_mm_for_cpu(x, int4.packed, GROUP, int4.scales_and_zeros)
+        expected8 = torch._weight_int8pack_mm(x, int8.qweight, int8.scales)
+        for variant in variants:
+            got4 = torch.ops.decoding_lab.int4_mm(x, int4.packed, int4.scales_and_zeros, variant)
+            got8 = torch.ops.decoding_lab.int8_mm(x, int8.qweight, int8.scales, variant)
+            assert torch.equal(got4, expected4), (rows, variant)
+            assert torch.equal(got8, expected8), (rows, variant)
+
+
+def test_a_row_does_not_depend_on_the_other_rows_or_the_thread_count() -> None:
+    int4, int8 = _modules(1536, 576, seed=5)
+    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(
+                [
+                    torch.ops.decoding_lab.int4_mm(x, int4.packed, int4.scales_and_zeros),
+                    torch.ops.decoding_lab.int8_mm(x, int8.qweight, int8.scales),
+                ]
+            )
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    alone = torch.cat(
+        [torch.ops.decoding_lab.int4_mm(x[i : i + 1], int4.packed, int4.scales_and_zeros) for i in range(16)]
+    )
+    assert torch.equal(alone, results[0][0])
+    mixed = torch.cat([x[3:4], torch.randn(5, 576).to(torch.bfloat16)])  # the same row beside other rows
+    assert torch.equal(torch.ops.decoding_lab.int8_mm(mixed, int8.qweight, int8.scales)[0], results[0][1][3])
+
+
+def test_the_kernels_refuse_what_they_do_not_compute() -> None:
+    int4, int8 = _modules(48, 64, seed=1)
+    with pytest.raises(RuntimeError, match="int4_mm"):
+        torch.ops.decoding_lab.int4_mm(torch.randn(2, 64), int4.packed, int4.scales_and_zeros)  # float32 x
+    with pytest.raises(RuntimeError, match="int8_mm"):
+        torch.ops.decoding_lab.int8_mm(torch.randn(2, 48).to(torch.bfloat16), int8.qweight, int8.scales)  # K
+
+
+def _verify_run(model) -> list[torch.Tensor]:
+    """Logits, hidden states and cache of the prefill, a step, a chain and a tree verify (under rows_invariant)."""
+    cache, out = DynamicCache(config=model.config), []
+    with torch.inference_mode():
+        for ids, kwargs in _forwards(9):
+            logits, hidden = lean_forward(model, torch.tensor([ids]), cache, output_hidden_states=True, **kwargs)
+            out += [logits, *hidden]
+    return out + [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_verify_forwards_give_the_same_bits_with_one_and_two_threads(precision: str) -> None:
+    """The contract behind lossless decoding at any thread count: the kernels' sums do not depend on how the
+    output columns are split between threads; and ATen's kernels (the switch off) give the same bits."""
+    model = tiny_llama(5, layers=2, hidden=128).to(torch.bfloat16)
+    quantize_model(model, precision, torch.bfloat16)
+    loaded = wrap_model(model, ByteTokenizer())
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        with rows_invariant(loaded):
+            for count, kernels in ((1, True), (2, True), (2, False)):
+                torch.set_num_threads(count)
+                set_lowbit_kernels(kernels)
+                runs.append(_verify_run(model))
+    finally:
+        torch.set_num_threads(threads)
+        set_lowbit_kernels(True)
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
