@@ -14,9 +14,9 @@ recently finished ones are answered from their recorded events. At most DECODING
 and for how long. Each run has a hard time limit (MAX_RUN_SECONDS). Before each run `lab.engine.threads.apply` picks the
 intra-op threads from the CPUs free at that moment.
 Light work (replay, inspect, learn, stepping, pace changes) runs in its own concurrency groups. Per-session data
-lives in gr.State with a time to live; models are
-shared through the `lab.engine.models` cache (at most two loaded, never one per session). Stop cancels the running
-generator, whose `finally` frees the KV cache. Renders are throttled to about 5 per second.
+lives in gr.State with a time to live; models are shared through the `lab.engine.models` cache (at most two loaded,
+never one per session). Stop ends the session's live run as a result (the tokens shown so far, closed as a cancelled
+run; the lane's generator is closed, which frees the KV cache). Renders are throttled to about 5 per second.
 ZeroGPU (Hugging Face Spaces): `model_events` (load, encode, stream plain trace events) is wrapped with
 `spaces.GPU` when SPACES_ZERO_GPU is set and `spaces` imports (`lab.app.zerogpu`); figures are built outside it.
 

@@ -19,7 +19,7 @@ import gradio as gr
 from lab.app.branching import BranchError, BranchPoint, branch_record
 from lab.app.pacing import REALTIME, STEP, PaceControl, Pacer, PaceRegistry
 from lab.app.presets import MODELS
-from lab.app.runner import new_trace, stream_request
+from lab.app.runner import new_trace, stopped_trace, stream_request
 from lab.app.shared_runs import Job, QueueFull, RunHub, Waiting, request_key
 from lab.app.validation import RunRequest, validate_request
 from lab.app.zerogpu import gpu_function, zero_gpu_enabled
@@ -127,13 +127,22 @@ def pace_text(pacer: Pacer | None, shown: list, arrived: list, done: bool) -> st
     return f"{head} · {pacer.shown} of {total}{'' if done else '+'} tokens shown"
 
 
+STOPPED_STATUS = "stopped by you"
+
+
+def stop_pressed(control: PaceControl | None) -> bool:
+    return control is not None and control.stop_requested
+
+
 def stream_trace(
     request: RunRequest, deadline: float, point: BranchPoint | None = None, control: PaceControl | None = None
 ) -> Iterator[tuple[Trace, bool, str, Trace]]:
     """(shown trace, final, status, full trace) about every RENDER_INTERVAL_S while the run streams (and while it
     waits in line: the status says where), then once final. With a PaceControl the events are buffered and the shown
     trace is released at its pace (the run itself is not slowed); step mode ends when the run has ended, showing the
-    tokens released so far. Bad input or a model that cannot load becomes a gr.Error (the server keeps serving)."""
+    tokens released so far. Stop (the control's stop_requested) ends the run as a result: the final update holds the
+    tokens shown so far, closed as a cancelled run. Bad input or a model that cannot load becomes a gr.Error (the
+    server keeps serving)."""
     trace = new_trace(request)
     trace.precision = request.precision  # as requested: the model loads inside the GPU function (ZeroGPU)
     trace.branch = branch_record(point) if point else None
@@ -142,7 +151,7 @@ def stream_trace(
     follow = HUB.follow(job, POLL_S) if job else direct_batches(request, point)
     last_render, shown_len, status, done, waiting = 0.0, -1, "", False, ""
     try:
-        while True:
+        while not stop_pressed(control):
             item = next(follow, None)
             done = item is None
             if isinstance(item, Waiting):  # a new message when the place changes, else once a second
@@ -171,9 +180,18 @@ def stream_trace(
         raise gr.Error(str(error)) from None
     finally:
         follow.close()
-    status = status or (job.status if job else "")
+    yield final_update(trace, pacer, status or (job.status if job else ""), stopped=stop_pressed(control))
+
+
+def final_update(trace: Trace, pacer: Pacer | None, status: str, stopped: bool) -> tuple[Trace, bool, str, Trace]:
+    """The last (shown, True, status, full) of a run: everything shown once the run ended; what was on screen when
+    Stop was pressed, closed as a cancelled run (the full trace then is that same partial run)."""
+    if stopped:
+        shown = pacer.visible(trace.events, time.monotonic()) if pacer else len(trace.events)
+        partial = stopped_trace(trace_prefix(trace, shown))
+        return partial, True, STOPPED_STATUS, partial
     visible = pacer.visible(trace.events, time.monotonic(), True) if pacer else len(trace.events)
-    yield trace_prefix(trace, visible), True, status or pace_text(pacer, [], trace.events, True), trace
+    return trace_prefix(trace, visible), True, status or pace_text(pacer, [], trace.events, True), trace
 
 
 def trace_prefix(trace: Trace, n: int) -> Trace:
@@ -193,6 +211,7 @@ def start_pacing(request: gr.Request | None, pace: str) -> PaceControl:
     control = session_pace(request)
     control.set_pace(pace)
     control.step(-control.snapshot()[1])
+    control.stop_requested = False
     control.live = True
     return control
 

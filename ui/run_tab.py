@@ -273,8 +273,15 @@ def build_run_tab() -> dict:
     wire_inspector(inspector, ui["state"], [(views["tokens"], lambda state: state["trace"] if state else None)])
     wire_branch_panel(branch, ui["state"], views["tokens"], ui["pace"])
     ui["branch"] = branch
-    stop.click(None, None, None, cancels=[*ui["events"], branch["event"]])
+    # Stop ends the session's live run (or branch) as a result: its handler sees the request and yields a final,
+    # complete update (cancelling the event instead would leave Gradio's red Error badges on every output)
+    stop.click(stop_session, None, None, **LIGHT)
     return ui
+
+
+def stop_session(request: gr.Request) -> None:
+    """Stop: the session's live run ends with what it has shown so far (`ui.common.stream_trace`)."""
+    session_pace(request).request_stop()
 
 
 def wire_stepping(ui: dict, views: dict) -> None:
