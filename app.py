@@ -31,21 +31,22 @@ Element ids (stable; the browser tests use them; the Run tab's weight precision 
   tabs: tab-run, tab-compare, tab-replay, tab-learn, tab-measure
   run:  run-settings, model, strategy, preset, prompt, run-button, stop-button, chat, pace, step-back, step-next,
         present-button, stats, views, token-view, main-plot, detail-plot-{1..5}, text, trace-file,
-        inspect-accordion, inspect-step, inspect-gamma, inspect-plot, alternatives,
+        inspect-accordion, inspect-token, inspect-step, inspect-gamma, inspect-token-plot, inspect-plot, alternatives,
         branch-where, branch-choice, branch-typed, branch-button, branch-original, branch-title, branch-tokens,
         branch-stats, run-tree
   compare: compare-strategies, compare-prompt, compare-seed, compare-tokens-max, compare-run, compare-stop,
         compare-col-{0..3}, compare-title-{0..3}, compare-tokens-{0..3}, compare-stats-{0..3}, compare-plot-{0..3},
-        compare-diff, compare-summary, compare-inspect-plot, compare-alternatives
+        compare-diff, compare-summary, compare-inspect-token-plot, compare-inspect-plot, compare-alternatives
   replay: trace-upload, replay-example, history, history-open, replay-status, replay-slider, replay-play,
         replay-pause, replay-step-back, replay-step-next, replay-present-button, replay-views, replay-stats,
         replay-token-view, replay-main-plot, replay-detail-plot-{1..5}, replay-text,
-        replay-inspect-plot, replay-alternatives
+        replay-inspect-token-plot, replay-inspect-plot, replay-alternatives
   learn: learn-language, learn-strategy, learn-text
   measure: measure-strategies, measure-prompts, measure-tokens, measure-run, measure-table, measure-quality,
         measure-acceptance, measure-matrix, measure-file
 Token views (token-view, replay-token-view, compare-tokens-i) are gr.HTML with a click listener: clicking a
-token (a span with data-step) opens that step in the tab's inspector (top-k alternatives + the strategy's view)
+token (a span with data-step and data-index) opens that token in the tab's inspector (its own distribution: the
+target's p at its position and the draft's q where one exists, its table, and the strategy's figure of its round)
 and, in the Run tab, offers its alternatives to "Branch from here". Layout (ui/layout.py): token view and main
 figure side by side, details in an accordion, presentation mode (body.dl-present), left / right arrow keys click
 the visible tab's ◀ / ▶ buttons.
@@ -59,8 +60,9 @@ import threading
 import gradio as gr
 
 from lab.engine.models import EMBEDDED_MODEL, ModelLoadError, load_model
-from ui.common import HUB, LIGHT, MAX_UPLOAD, QUEUE_MAX_SIZE, inspect_trace, stats_markdown
+from ui.common import HUB, LIGHT, MAX_UPLOAD, QUEUE_MAX_SIZE, stats_markdown
 from ui.compare_tab import build_compare_tab
+from ui.inspector import inspect_trace
 from ui.layout import CSS, KEYS_JS
 from ui.learn_tab import build_learn_tab
 from ui.measure_tab import build_measure_tab

@@ -11,7 +11,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import gradio as gr
@@ -26,17 +26,10 @@ from lab.app.zerogpu import gpu_function, zero_gpu_enabled
 from lab.engine import threads
 from lab.engine.models import ModelLoadError
 from lab.params import DecodeParams, InputError
-from lab.trace import TokenEmitted, Trace, TraceError, from_json, summarize, to_json
+from lab.trace import TokenEmitted, Trace, summarize, to_json
 from strategies import REGISTRY, by_family
 from ui.layout import MAX_FIGURES
-from visualizers import (
-    alternatives_table,
-    empty_figure,
-    inspect_step,
-    strategy_figures,
-    strategy_token_view,
-    strategy_view,
-)
+from visualizers import strategy_figures, strategy_token_view
 
 RENDER_INTERVAL_S = 0.2
 # Deployment knobs (environment): the hard limit of one run, the waiting events the queue accepts.
@@ -68,7 +61,6 @@ PACE = PaceRegistry()
 # and shows no text). It is refused with the queue-full message only when max_size events are already waiting.
 LIGHT = {"concurrency_id": "light", "concurrency_limit": None, "api_visibility": "private"}
 LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "$", "right": "$", "display": False}]
-ALTERNATIVE_HEADERS = ["rank", "token", "p"]
 
 
 # --- model work (inside spaces.GPU on ZeroGPU: plain events out, no figures) ---------------------------------
@@ -307,79 +299,3 @@ def render(trace: Trace, final: bool, status: str = "", full: Trace | None = Non
     position = sum(isinstance(e, TokenEmitted) for e in trace.events)
     state = {"id": uuid.uuid4().hex, "trace": full, "path": path, "status": status, "position": position}
     return [tokens, main, stats, text, trace_json, path, *details, state]
-
-
-def inspect_figure(trace: Trace | None, step: int, gamma: float) -> list:
-    """[step figure, gamma slider, alternatives rows] of one step, re-rendered from the trace (no model)."""
-    if trace is None:
-        return [empty_figure("Inspect a step", "Run a strategy first"), gr.skip(), []]
-    figure = inspect_step(trace.strategy, trace.events, int(step or 0), gamma=gamma)
-    knobs = strategy_view(trace.strategy).knobs
-    return [figure, gr.Slider(visible="gamma" in knobs), alternatives_table(trace.events, int(step or 0))]
-
-
-def inspect_trace(trace_json: str, step: float, gamma: float):
-    """Re-render one step of a trace given as JSON: (figure, gamma slider)."""
-    if not trace_json:
-        return empty_figure("Inspect a step", "Run a strategy first"), gr.skip()
-    try:
-        trace = from_json(trace_json)
-    except TraceError as error:
-        raise gr.Error(f"Cannot read the trace: {error}") from None
-    figure, gamma_slider, _rows = inspect_figure(trace, step, gamma)
-    return figure, gamma_slider
-
-
-def clicked_step(evt: gr.EventData) -> int | None:
-    """The step sent by a token view's click (None for a click outside a token or a malformed payload)."""
-    data = getattr(evt, "_data", None)
-    step = data.get("step") if isinstance(data, dict) else None
-    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
-        return None
-    return int(step) if 0 <= step < 10_000_000 else None
-
-
-def build_inspector(prefix: str, open_: bool = False) -> dict:
-    """Step inspector: a step number, the strategy's knob (CFG's gamma), its figure and the top-k table."""
-    with gr.Accordion(
-        "Inspect a step (click a token; re-rendered from the trace, no model run)",
-        open=open_,
-        elem_id=f"{prefix}inspect-accordion",
-    ) as accordion:
-        with gr.Row():
-            step = gr.Number(value=0, precision=0, minimum=0, label="step", elem_id=f"{prefix}inspect-step")
-            gamma = gr.Slider(
-                0.0, 5.0, value=1.5, step=0.1, label="gamma", visible=False, elem_id=f"{prefix}inspect-gamma"
-            )
-        plot = gr.Plot(label="Step detail (full width)", elem_id=f"{prefix}inspect-plot")
-        with gr.Row():
-            table = gr.Dataframe(
-                headers=ALTERNATIVE_HEADERS, label="Top-k alternatives", elem_id=f"{prefix}alternatives"
-            )
-    return {"accordion": accordion, "step": step, "gamma": gamma, "plot": plot, "table": table}
-
-
-def wire_inspector(inspector: dict, state: gr.State, sources: list[tuple[gr.HTML, Callable]]) -> None:
-    """Clicking a token of any source's token view (or editing the step / gamma) re-renders that step from the
-    trace `get_trace(state value)` of the source clicked last. sources: (token view, get_trace) pairs."""
-    which = gr.State(0)
-    outputs = [inspector["plot"], inspector["gamma"], inspector["table"]]
-    for index, (tokens, get_trace) in enumerate(sources):
-
-        def on_click(value, gamma: float, evt: gr.EventData, _get=get_trace, _index=index):
-            trace = _get(value)
-            step = clicked_step(evt)
-            if trace is None or step is None:
-                return [gr.skip()] * 7
-            view = strategy_token_view(trace.strategy, trace.events, step)
-            return [gr.Accordion(open=True), step, view, *inspect_figure(trace, step, gamma), _index]
-
-        click_outputs = [inspector["accordion"], inspector["step"], tokens, *outputs, which]
-        tokens.click(on_click, [state, inspector["gamma"]], click_outputs, **LIGHT)
-
-    def on_change(value, index: int, step: float, gamma: float):
-        get_trace = sources[index][1] if 0 <= index < len(sources) else sources[0][1]
-        return inspect_figure(get_trace(value), step, gamma)
-
-    triggers = [inspector["step"].submit, inspector["gamma"].release]
-    gr.on(triggers, on_change, [state, which, inspector["step"], inspector["gamma"]], outputs, **LIGHT)

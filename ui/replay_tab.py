@@ -14,10 +14,9 @@ from ui.common import (
     REPLAY_TICK_S,
     STATE_TTL_S,
     VIEW_COUNT,
-    build_inspector,
     view_updates,
-    wire_inspector,
 )
+from ui.inspector import build_inspector, wire_inspector
 from ui.layout import PRESENT_JS, build_views, step_buttons, view_list
 from visualizers import display_token
 

@@ -29,9 +29,7 @@ from ui.common import (
     MODEL_CHOICES,
     RUN_QUEUE,
     STATE_TTL_S,
-    build_inspector,
     checked_request,
-    empty_figure,
     render,
     session_pace,
     start_pacing,
@@ -40,9 +38,10 @@ from ui.common import (
     strategy_info,
     stream_trace,
     view_updates,
-    wire_inspector,
 )
+from ui.inspector import build_inspector, wire_inspector
 from ui.layout import MAX_FIGURES, PRESENT_JS, build_views, step_buttons, view_list
+from visualizers import empty_figure
 
 
 def stream_outputs(

@@ -100,14 +100,14 @@ def test_clicking_a_token_shows_its_alternatives(page, greedy_run, screenshot):
 
     def table_matches():
         rows = ui.table_rows(page, "alternatives")
-        probs = [float(row[-1]) for row in rows if row and re.fullmatch(r"[0-9.e-]+", row[-1])]
+        probs = [float(row[2]) for row in rows if len(row) > 2 and re.fullmatch(r"[0-9.e-]+", row[2])]
         if len(probs) != len(expected):
             return False
         return all(abs(a - b) <= PROB_TOLERANCE for a, b in zip(probs, expected, strict=True))
 
     ui.wait_until(table_matches, f"step {step.step}'s alternatives in the table", 60, page)
     assert page.locator("#inspect-step input").input_value() == str(step.step)
-    bars = ui.wait_until(lambda: ui.plot_data(page, "inspect-plot"), "the inspector figure", 30, page)
+    bars = ui.wait_until(lambda: ui.plot_data(page, "inspect-token-plot"), "the inspector figure", 30, page)
     assert [round(x, 4) for x in bars["traces"][0]["x"]] == [round(p, 4) for p in expected]
     screenshot(page, "03-token-alternatives")
 

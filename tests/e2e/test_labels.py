@@ -2,12 +2,17 @@
 speculative decoding opened in Replay (no model loaded), their main figure drawn by plotly.js, and the drawn SVG
 text box of every point label compared with every other (the side-by-side layout at 1400 x 1000 and at 1280 x 720,
 and the inspector's full-width tree). A figure that draws too few labels fails too (hiding all of them is no fix).
+Also: a click on a token of a multi-token round inspects that token, and brings the inspector on screen.
 """
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from lab.trace import TokenEmitted, from_json
+from tests.appserver import ROOT
 from tests.e2e import ui
 
 pytestmark = [pytest.mark.e2e]
@@ -71,3 +76,36 @@ def test_the_inspectors_full_width_tree_has_no_overlapping_labels(page):
     page.wait_for_timeout(500)
     boxes = ui.label_boxes(page, "replay-inspect-plot")
     assert not overlaps(boxes), overlaps(boxes)[:5]
+
+
+def test_clicking_a_token_of_a_round_inspects_that_token_and_scrolls_to_it(page, screenshot):
+    """In a multi-token EAGLE round the inspector shows the clicked token's own p (the tooltip's and the Branch
+    list's numbers), not the round's first token's; after the click the inspector is on screen."""
+    page.set_viewport_size({"width": 1280, "height": 720})
+    open_example(page, "eagle")
+    trace = from_json((ROOT / "examples" / "traces" / "eagle.json").read_text(encoding="utf-8"))
+    tokens = [e for e in trace.events if isinstance(e, TokenEmitted)]
+    index = next(i for i in range(1, len(tokens)) if tokens[i].step == tokens[i - 1].step)  # 2nd of a round
+    expected, first = tokens[index].top_probs, tokens[index - 1].top_probs
+    assert [round(p, 4) for p in expected] != [round(p, 4) for p in first]
+    page.evaluate("window.scrollTo(0, 0)")
+    page.locator("#replay-token-view span.dl-token").nth(index).click()
+
+    def table_probs():
+        rows = ui.table_rows(page, "replay-alternatives")
+        return [float(row[2]) for row in rows if len(row) > 2 and re.fullmatch(r"[0-9.e-]+", row[2])]
+
+    wanted = [round(p, 4) for p in expected]
+    try:
+        ui.wait_until(lambda: table_probs() == wanted, "the clicked token's alternatives", 30, page)
+    except AssertionError:
+        raise AssertionError(f"the table shows {table_probs()}, the token's p are {wanted}") from None
+    plot = "replay-inspect-token-plot"
+    title = ui.wait_until(lambda: (ui.plot_data(page, plot) or {}).get("title"), "the token's figure", 30, page)
+    assert title.startswith(f"Token {index + 1} ")
+    tooltip = page.locator("#replay-token-view span.dl-token").nth(index).get_attribute("title")
+    assert f"p={expected[0]:.4f}" in tooltip
+    page.wait_for_timeout(800)  # the smooth scroll
+    top = ui.box(page, "#replay-inspect-accordion")["y"]
+    assert -2 <= top < 720 - 200, f"the inspector is not on screen after the click (top at {top} px)"
+    screenshot(page, "inspector-1280x720")
