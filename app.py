@@ -63,7 +63,7 @@ from lab.engine.models import EMBEDDED_MODEL, ModelLoadError, load_model
 from ui.common import HUB, LIGHT, MAX_UPLOAD, QUEUE_MAX_SIZE, stats_markdown
 from ui.compare_tab import build_compare_tab
 from ui.inspector import inspect_trace
-from ui.layout import CSS, KEYS_JS
+from ui.layout import CSS, PAGE_JS
 from ui.learn_tab import build_learn_tab
 from ui.measure_tab import build_measure_tab
 from ui.replay_tab import build_replay_tab, record_run
@@ -125,7 +125,7 @@ def main() -> None:
         server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
         theme=gr.themes.Soft(),
         css=CSS,
-        js=KEYS_JS,
+        js=PAGE_JS,
         max_file_size=MAX_UPLOAD,
         max_threads=2 * QUEUE_MAX_SIZE + 40,  # waiting Run handlers hold a thread each
     )

@@ -32,6 +32,39 @@ KEYS_JS = """
   });
 }
 """
+# A number typed into a bounded field (a slider's box, a Number with a minimum) outside its range is clamped to the
+# nearest bound at once, and a note under the field says so, naming it; Gradio would otherwise keep showing the typed
+# value while the slider (and the run) silently use the bound.
+CLAMP_JS = """
+() => {
+  if (window.__dlClamp) return;
+  window.__dlClamp = true;
+  document.addEventListener('change', (event) => {
+    const box = event.target;
+    if (!box || box.tagName !== 'INPUT' || box.type !== 'number' || box.value === '') return;
+    const block = box.closest('.block');
+    const value = Number(box.value);
+    const low = box.min === '' ? -Infinity : Number(box.min);
+    const high = box.max === '' ? Infinity : Number(box.max);
+    let note = block ? block.querySelector(':scope .dl-clamped') : null;
+    if (!(value < low || value > high)) { if (note) note.remove(); return; }
+    const bound = value < low ? low : high;
+    const label = block && block.querySelector('[data-testid="block-info"]');
+    const name = label ? label.textContent.trim() : 'this field';
+    box.value = String(bound);
+    box.dispatchEvent(new Event('input', {bubbles: true}));
+    if (block && !note) {
+      note = document.createElement('div');
+      note.className = 'dl-clamped';
+      note.setAttribute('role', 'status');
+      block.appendChild(note);
+    }
+    if (note) note.textContent = `${name}: ${value} is ${value < low ? 'below the minimum' : 'above the maximum'} ` +
+      `${bound}; set to ${bound}.`;
+  }, true);
+}
+"""
+PAGE_JS = f"() => {{ ({KEYS_JS.strip()})(); ({CLAMP_JS.strip()})(); }}"
 PRESENT_JS = "() => { document.body.classList.toggle('dl-present'); }"
 CSS = """
 .dl-token:hover { filter: brightness(0.92); }
@@ -44,6 +77,7 @@ body.dl-present .dl-token { border: 1px solid #000000; }
 body.dl-present .dl-legend { font-size: 18px !important; color: #000000 !important; }
 body.dl-present .dl-stats, body.dl-present .dl-stats * { font-size: 20px !important; color: #000000 !important; }
 body.dl-present .dl-views { flex-wrap: nowrap !important; }
+.dl-clamped { color: #b45309; font-size: 13px; margin-top: 4px; }
 @media (max-width: 700px) { .dl-views { flex-direction: column !important; } }
 """
 

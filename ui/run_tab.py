@@ -43,6 +43,9 @@ from ui.inspector import build_inspector, wire_inspector
 from ui.layout import MAX_FIGURES, PRESENT_JS, build_views, step_buttons, view_list
 from visualizers import empty_figure
 
+DEFAULT_PROMPT = "Describe a rainy morning in a busy city in three sentences."
+EXAMPLES_PER_PAGE = 4
+
 
 def stream_outputs(
     strategy: str,
@@ -67,6 +70,12 @@ def stream_outputs(
         if final:
             update[-1]["request"] = request
         yield update
+
+
+def refusal(message: str) -> list:
+    """The Run tab's update for a run that could not start or failed: the message (which names the field) where the
+    stats go; the other views keep what they showed."""
+    return [gr.skip(), gr.skip(), f"**Cannot run:** {message}", *[gr.skip()] * (3 + MAX_FIGURES)]
 
 
 def parse_params_json(params_json: str | None) -> dict:
@@ -221,11 +230,23 @@ def build_run_tab() -> dict:
         with gr.Column(scale=4, min_width=320):
             with gr.Row(equal_height=False):
                 ui["prompt"] = gr.Textbox(
-                    label="Prompt", lines=2, placeholder="Ask the model something…", elem_id="prompt", scale=5
+                    DEFAULT_PROMPT,
+                    label="Prompt",
+                    lines=2,
+                    placeholder="Ask the model something…",
+                    elem_id="prompt",
+                    scale=5,
                 )
                 with gr.Column(scale=1, min_width=150):
                     run = gr.Button("Run", variant="primary", elem_id="run-button")
                     stop = gr.Button("Stop", variant="stop", elem_id="stop-button")
+            with gr.Group(elem_classes=["dl-hide-present"], elem_id="example-prompts"):
+                gr.Examples(
+                    [[p.text] for p in BUILTIN_PROMPTS],
+                    inputs=[ui["prompt"]],
+                    label="Example prompts (click one)",
+                    examples_per_page=EXAMPLES_PER_PAGE,
+                )
             with gr.Row(equal_height=True):
                 ui["chat"] = gr.Checkbox(value=True, label="chat template", elem_id="chat", scale=0, min_width=140)
                 ui["pace"] = gr.Radio(list(PACES), value=REALTIME, label="Pace", elem_id="pace", scale=3)
@@ -237,8 +258,6 @@ def build_run_tab() -> dict:
             with gr.Row(elem_classes=["dl-hide-present"]):
                 trace_file = gr.File(label="Trace (JSON)", interactive=False, elem_id="trace-file")
             trace_json = gr.Textbox(visible=False)
-            with gr.Group(elem_classes=["dl-hide-present"]):
-                gr.Examples([[p.text] for p in BUILTIN_PROMPTS], inputs=[ui["prompt"]], label="Example prompts")
             api_inputs, api_trigger = build_api_inputs()
     ui["state"] = gr.State(None, time_to_live=STATE_TTL_S)
     wire_settings(ui)
@@ -255,6 +274,8 @@ def build_run_tab() -> dict:
             yield from stream_outputs(
                 strategy_, prompt_, params, chat_, seed_, model_, device_, dtype_, precision_, control
             )
+        except gr.Error as error:  # shown once, in the stats' place (no toast, no Error badge on every view)
+            yield refusal(str(error.message))
         finally:
             control.live = False
 

@@ -78,6 +78,39 @@ def test_page_opens_with_the_controls(page, screenshot):
     screenshot(page, "01-start")
 
 
+def test_first_contact_a_default_prompt_examples_in_sight_and_out_of_range_input_clamped(page):
+    """1280 x 720: a prompt to run is there and example prompts are on screen; max_new_tokens 5000 / 0 and
+    temperature 7 typed into their boxes are clamped with a note naming the field; an empty prompt is refused once,
+    where the stats go, naming what is missing (no toast, no Error badges)."""
+    page.set_viewport_size({"width": 1280, "height": 720})
+    page.evaluate("window.scrollTo(0, 0)")
+    assert ui.prompt_box(page).input_value().strip(), "the prompt starts empty"
+    examples = ui.box(page, "#example-prompts")
+    assert examples and examples["y"] + 40 < 720, f"the example prompts are not on screen: {examples}"
+    box = page.locator("#max-new-tokens input[type=number]")
+    ui.wait_until(lambda: page.evaluate("window.__dlClamp === true"), "the page's scripts", 30, page)
+    for typed, shown, note in (("5000", "1024", "above the maximum 1024"), ("0", "1", "below the minimum 1")):
+        ui.set_number(page, "max-new-tokens", typed)
+        ui.wait_until(lambda shown=shown: box.input_value() == shown, f"{typed} clamped to {shown}", 10, page)
+        assert page.locator("#max-new-tokens input[type=range]").input_value() == shown
+        assert f"max_new_tokens: {typed} is {note}" in page.locator("#max-new-tokens").inner_text()
+    ui.choose(page, "strategy", re.compile(r"› sample$"))
+    slider = page.locator("input[type=number][aria-label='number input for temperature']").filter(visible=True)
+    temperature = page.locator(".block", has=slider).filter(visible=True).last
+    temperature.locator("input[type=number]").fill("7")
+    temperature.locator("input[type=number]").press("Enter")
+    ui.wait_until(lambda: "temperature: 7 is above the maximum 2" in temperature.inner_text(), "the note", 10, page)
+    assert temperature.locator("input[type=number]").input_value() == "2"
+    ui.choose(page, "strategy", re.compile(r"› greedy$"))
+    ui.prompt_box(page).fill("   ")
+    ui.button(page, "run-button").click()
+    ui.wait_until(lambda: "Cannot run" in page.locator("#stats").inner_text(), "the refusal", 30, page)
+    assert "prompt is empty" in page.locator("#stats").inner_text()
+    page.wait_for_timeout(500)
+    assert error_badges(page) == 0 and page.locator(".toast-body").count() == 0
+    page.set_viewport_size({"width": 1400, "height": 1000})
+
+
 def test_greedy_streams_a_live_plot_and_a_valid_trace(page, greedy_run, screenshot):
     states, trace = greedy_run["states"], greedy_run["trace"]
     # loading placeholder, at least one partial figure while tokens streamed, and the final figure
