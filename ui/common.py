@@ -5,6 +5,7 @@ step inspector and its token-click wiring. Gradio UI code only; the logic lives 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import tempfile
@@ -19,6 +20,7 @@ import gradio as gr
 from lab.app.branching import BranchError, BranchPoint, branch_record
 from lab.app.pacing import REALTIME, STEP, PaceControl, Pacer, PaceRegistry
 from lab.app.presets import MODELS
+from lab.app.run_stats import fmt, is_acceleration, key_quantities, speed_vs_greedy
 from lab.app.runner import new_trace, stopped_trace, stream_request
 from lab.app.shared_runs import Job, QueueFull, RunHub, Waiting, request_key
 from lab.app.validation import RunRequest, validate_request
@@ -120,6 +122,7 @@ def pace_text(pacer: Pacer | None, shown: list, arrived: list, done: bool) -> st
 
 
 STOPPED_STATUS = "stopped by you"
+STOP_WORDS = {"cancelled": STOPPED_STATUS}
 
 
 def stop_pressed(control: PaceControl | None) -> bool:
@@ -230,27 +233,59 @@ def strategy_info(name: str) -> str:
     return f"**{strategy.name}** ({strategy.family}): {strategy.summary}  \n*Paper:* {strategy.paper}"
 
 
-def stats_markdown(trace: Trace, status: str = "") -> str:
+def stats_markdown(trace: Trace, status: str = "", extra: list[tuple[str, str]] | None = None, note: str = "") -> str:
+    """The run's stats as one table row: counts, speed, acceptance α / τ (2 decimals), the method's own quantity
+    (lab.app.run_stats.key_quantities), `extra` columns (the Run tab's speedup) and why it stopped; `note`: a line
+    under the table."""
     stats = summarize(trace.events)
     rows = [
         ("tokens", stats.new_tokens),
-        ("tokens/s", stats.tokens_per_s),
+        ("tokens/s", fmt(stats.tokens_per_s, 1)),
         ("target forwards", stats.target_forwards),
-        ("forwards/token", stats.forwards_per_token),
+        ("forwards/token", fmt(stats.forwards_per_token)),
     ]
     if stats.acceptance_rate is not None:
-        rows += [("acceptance α", stats.acceptance_rate), ("τ (tokens/round)", stats.mean_accepted_length)]
-    rows.append(("stop", status or stats.stop_reason))
+        rows += [("acceptance α", fmt(stats.acceptance_rate)), ("τ (tokens/round)", fmt(stats.mean_accepted_length))]
+    rows += key_quantities(trace.events) + list(extra or [])
+    rows.append(("stop", status or STOP_WORDS.get(stats.stop_reason, stats.stop_reason)))
     header = "| " + " | ".join(k for k, _ in rows) + " |\n|" + "---|" * len(rows)
-    return header + "\n| " + " | ".join(str(v) for _, v in rows) + " |"
+    table = header + "\n| " + " | ".join(str(v) for _, v in rows) + " |"
+    return f"{table}\n\n{note}" if note else table
+
+
+def greedy_baseline(request: RunRequest) -> list | None:
+    """The events of a recent greedy run (shared lane's cache) of the same prompt, model, device, dtype, chat
+    template and seed, any budget; None when there is none."""
+    wanted = [request.model, request.device, request.dtype, "greedy"]
+
+    def matches(key: str) -> bool:
+        parts = json.loads(key)
+        same = parts[:4] == wanted and parts[5:7] == [request.prompt, request.chat]
+        return same and parts[4].get("repetition_penalty", 1.0) == 1.0 and parts[8] == []
+
+    return HUB.recent(matches)
+
+
+def speed_stats(trace: Trace, request: RunRequest) -> tuple[list[tuple[str, str]], str]:
+    """The Run tab's speedup column for an acceleration method and a line under the stats: the speed against a
+    recent greedy run of the same prompt and why it is below 1x, or how to get one."""
+    if not is_acceleration(trace.events):
+        return [], ""
+    greedy = greedy_baseline(request)
+    speed = speed_vs_greedy(trace.events, greedy) if greedy else None
+    if speed is None:
+        return [("speedup vs greedy", "-")], "Speed: run greedy on this prompt (same model) to see the speedup."
+    line = f"Speed: {speed.speedup:.2f}x greedy ({speed.greedy_tokens_per_s:.1f} tok/s on this prompt)"
+    return [("speedup vs greedy", f"{speed.speedup:.2f}x")], f"{line}; {speed.reason}." if speed.reason else line
 
 
 def stats_line(trace: Trace, status: str = "") -> str:
     """The run's numbers on one line (narrow columns)."""
     stats = summarize(trace.events)
-    parts = [f"{stats.new_tokens} tokens", f"{stats.tokens_per_s} tok/s", f"{stats.forwards_per_token} fwd/token"]
+    parts = [f"{stats.new_tokens} tokens", f"{fmt(stats.tokens_per_s, 1)} tok/s"]
+    parts.append(f"{fmt(stats.forwards_per_token)} fwd/token")
     if stats.acceptance_rate is not None:
-        parts += [f"α {stats.acceptance_rate}", f"τ {stats.mean_accepted_length}"]
+        parts += [f"α {fmt(stats.acceptance_rate)}", f"τ {fmt(stats.mean_accepted_length)}"]
     return " · ".join(parts + [status or stats.stop_reason])
 
 

@@ -77,6 +77,8 @@ body.dl-present .dl-token { border: 1px solid #000000; }
 body.dl-present .dl-legend { font-size: 18px !important; color: #000000 !important; }
 body.dl-present .dl-stats, body.dl-present .dl-stats * { font-size: 20px !important; color: #000000 !important; }
 body.dl-present .dl-views { flex-wrap: nowrap !important; }
+.dl-stats table { display: block; overflow-x: auto; max-width: 100%; }
+.dl-stats th, .dl-stats td { white-space: nowrap; }
 .dl-clamped { color: #b45309; font-size: 13px; margin-top: 4px; }
 @media (max-width: 700px) { .dl-views { flex-direction: column !important; } }
 """

@@ -32,6 +32,7 @@ from ui.common import (
     checked_request,
     render,
     session_pace,
+    speed_stats,
     start_pacing,
     stats_markdown,
     strategy_choices,
@@ -69,6 +70,7 @@ def stream_outputs(
         update = render(shown, final, status, full)
         if final:
             update[-1]["request"] = request
+            update[2] = stats_markdown(shown, status, *speed_stats(shown, request))
         yield update
 
 

@@ -146,10 +146,12 @@ def test_clicking_a_token_shows_its_alternatives(page, greedy_run, screenshot):
 
 
 def test_prompt_lookup_speculative_draws_its_rounds_live(page, artifacts, screenshot):
-    ui.choose(page, "strategy", re.compile(r"› speculative$"))
-    assert page.get_by_label("drafter", exact=True).input_value() == "prompt-lookup"
+    """...after a greedy run of the same prompt, whose speed the speculative run's stats compare against."""
     ui.prompt_box(page).fill(LOOKUP_PROMPT)
     ui.set_number(page, "max-new-tokens", 32)
+    run_and_watch(page)  # greedy
+    ui.choose(page, "strategy", re.compile(r"› speculative$"))
+    assert page.get_by_label("drafter", exact=True).input_value() == "prompt-lookup"
     name, states = run_and_watch(page)
     assert len(states) >= 3, f"the draft-round plot changed only {len(states)} times during the run"
     assert ui.plot_data(page, "main-plot")["title"].startswith("Draft rounds")
@@ -160,7 +162,12 @@ def test_prompt_lookup_speculative_draws_its_rounds_live(page, artifacts, screen
     first, *rest = tokens_of(trace)
     assert first.source == "target"  # the first token comes from the prefill forward, as in greedy decoding
     assert {e.source for e in rest} <= {"accepted", "recovered", "bonus"} and sources & {"recovered", "bonus"}
-    assert "acceptance" in page.locator("#stats").inner_text()
+    stats = ui.wait_until_stable(page, lambda: page.locator("#stats").inner_text(), quiet_ms=500)
+    assert "acceptance" in stats and re.search(r"acceptance α\s+τ.*\n.*\b\d\.\d\d\s+\d+\.\d\d\b", stats), stats
+    speedup = re.search(r"Speed: (\d+\.\d\d)x greedy \((\d+\.\d) tok/s on this prompt\)(; .*)?", stats)
+    assert speedup, f"no speedup against the greedy run in the stats: {stats}"
+    if float(speedup.group(1)) < 1.0:
+        assert "greedy decode steps" in speedup.group(3), stats
     screenshot(page, "04-speculative")
 
 
