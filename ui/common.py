@@ -117,7 +117,7 @@ def pace_text(pacer: Pacer | None, shown: list, arrived: list, done: bool) -> st
         return ""
     pace, _ = pacer.control.snapshot()
     total = sum(isinstance(e, TokenEmitted) for e in arrived)
-    head = "⏸ step mode: press → or Step" if pace == STEP else f"paced at {pace}"
+    head = "step mode: press ▶ (or the → key) for the next token" if pace == STEP else f"paced at {pace}"
     return f"{head} · {pacer.shown} of {total}{'' if done else '+'} tokens shown"
 
 

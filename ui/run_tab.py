@@ -13,7 +13,7 @@ import gradio as gr
 from lab.app import replay
 from lab.app.builtin_prompts import BUILTIN_PROMPTS
 from lab.app.controls import dependencies, visibility
-from lab.app.pacing import PACES, REALTIME
+from lab.app.pacing import PACES, REALTIME, STEP
 from lab.app.presets import DEFAULTS, preset_values, presets_for
 from lab.app.runner import new_trace
 from lab.engine.models import EMBEDDED_MODEL
@@ -306,15 +306,32 @@ def stop_session(request: gr.Request) -> None:
     session_pace(request).request_stop()
 
 
+def ended_status(state: dict) -> str:
+    """What the stats say at the end of a finished run being stepped: a stop by the viewer or the time limit; ""
+    otherwise (the stats then read the run's own stop reason)."""
+    status = state.get("status", "")
+    return status if status.startswith("stopped") else ""
+
+
 def wire_stepping(ui: dict, views: dict) -> None:
-    """The pace radio reaches a live run; ◀ / ▶ (and the arrow keys) release a token in step mode while a run
-    streams, and otherwise step through the finished run token by token."""
-
-    def on_pace(request: gr.Request, pace: str):
-        session_pace(request).set_pace(pace)
-
-    ui["pace"].change(on_pace, [ui["pace"]], None, **LIGHT)
+    """The pace radio reaches a live run (after a run, leaving step mode shows the whole run); ◀ / ▶ (and the
+    arrow keys) release a token in step mode while a run streams, and otherwise step through the finished run
+    token by token; the stats say which token is shown."""
     outputs = [*view_list(views), ui["state"]]
+
+    def show(state: dict, position: int) -> list:
+        shown = replay.trace_at_token(state["trace"], position)
+        status = replay.position_status(state["trace"], shown, ended_status(state))
+        return [*view_updates(shown, status), {**state, "position": position}]
+
+    def on_pace(request: gr.Request, state: dict | None, pace: str):
+        control = session_pace(request)
+        control.set_pace(pace)
+        if getattr(control, "live", False) or not state or pace == STEP:
+            return [gr.skip()] * len(outputs)
+        return show(state, replay.token_count(state["trace"]))
+
+    ui["pace"].change(on_pace, [ui["state"], ui["pace"]], outputs, **LIGHT)
 
     def step(request: gr.Request, state: dict | None, delta: int):
         control = session_pace(request)
@@ -323,9 +340,7 @@ def wire_stepping(ui: dict, views: dict) -> None:
             return [gr.skip()] * len(outputs)
         if not state:
             return [gr.skip()] * len(outputs)
-        position = max(0, min(state.get("position", 0) + delta, replay.token_count(state["trace"])))
-        shown = replay.trace_at_token(state["trace"], position)
-        return [*view_updates(shown, state.get("status", "")), {**state, "position": position}]
+        return show(state, max(0, min(state.get("position", 0) + delta, replay.token_count(state["trace"]))))
 
     def back(request: gr.Request, state: dict | None):
         return step(request, state, -1)

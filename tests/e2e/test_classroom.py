@@ -98,6 +98,8 @@ def test_keyboard_steps_through_the_finished_run(page, warm):
     page.keyboard.press("ArrowLeft")
     page.keyboard.press("ArrowLeft")
     ui.wait_until(lambda: ui.token_spans(page).count() == total - 2, "two steps back", 30, page)
+    stats = page.locator("#stats").inner_text()
+    assert f"token {total - 2} of {total} shown" in stats and "running" not in stats, stats
     page.keyboard.press("ArrowRight")
     ui.wait_until(lambda: ui.token_spans(page).count() == total - 1, "one step forward", 30, page)
     page.keyboard.press("ArrowRight")
@@ -137,3 +139,27 @@ def test_branch_from_here_starts_with_the_chosen_token(page, warm, screenshot):
     ui.wait_until(lambda: "branch at token 3" in page.locator("#run-tree").inner_text(), "the tree of runs", 120, page)
     assert page.locator("#branch-original span.dl-token").count() >= 3
     screenshot(page, "branch")
+
+
+def test_step_mode_says_what_to_press_and_leaving_it_shows_the_whole_run(page, warm):
+    """Step on click: the status names the ▶ button that exists and counts the tokens shown; ▶ releases one; after
+    the run, switching to real time shows the whole run; no glyph the page's fonts lack (⏸)."""
+    page.set_viewport_size({"width": 1400, "height": 1000})
+    page.get_by_label("step on click").check()
+    ui.prompt_box(page).fill(PROMPT)
+    ui.set_number(page, "max-new-tokens", 6)
+    previous = ui.trace_file_name(page)
+    ui.button(page, "run-button").click()
+    stats = page.locator("#stats")
+    ui.wait_until(lambda: "step mode: press ▶" in stats.inner_text(), "the step-mode status", 120, page)
+    assert "Step" not in stats.inner_text().replace("step mode", "")  # no button called Step exists
+    ui.button(page, "step-next").click()
+    ui.wait_until(lambda: ui.token_spans(page).count() == 1, "one released token", 60, page)
+    ui.wait_for_new_trace(page, previous)
+    ui.button(page, "step-next").click()
+    ui.wait_until(lambda: ui.token_spans(page).count() == 2, "the next token of the ended run", 30, page)
+    ui.wait_until(lambda: re.search(r"token 2 of \d shown", stats.inner_text()), "the position in the stats", 30, page)
+    page.get_by_label("real time").check()
+    total = ui.wait_until_stable(page, lambda: ui.token_spans(page).count(), quiet_ms=1000)
+    assert total > 2 and "shown" not in stats.inner_text(), stats.inner_text()
+    assert "⏸" not in page.content()
