@@ -29,7 +29,9 @@ streams four columns of (title, token_html, stats, figure), then the diff HTML a
 
 Element ids (stable; the browser tests use them; the Run tab's weight precision is `precision`):
   tabs: tab-run, tab-compare, tab-replay, tab-learn, tab-measure
-  run:  run-settings, model, strategy, preset, prompt, run-button, stop-button, chat, pace, step-back, step-next,
+  page: dl-header
+  run:  run-settings, model, strategy, preset, prompt, example-prompts, run-stop, run-button, stop-button,
+        run-controls, chat, pace, step-back, step-next,
         present-button, stats, views, token-view, main-plot, detail-plot-{1..5}, text, trace-file,
         inspect-accordion, inspect-token, inspect-step, inspect-gamma, inspect-token-plot, inspect-plot, alternatives,
         branch-where, branch-choice, branch-typed, branch-button, branch-original, branch-title, branch-tokens,
@@ -77,7 +79,10 @@ def build_app(queue_max_size: int = QUEUE_MAX_SIZE) -> gr.Blocks:
     from ui.run_tab import build_run_tab
 
     with gr.Blocks(title="Decoding Lab") as demo:
-        gr.Markdown("# Decoding Lab\nRun decoding strategies on a real model and watch what they do, token by token.")
+        gr.Markdown(
+            "# Decoding Lab\nRun decoding strategies on a real model and watch what they do, token by token.",
+            elem_id="dl-header",
+        )
         with gr.Tabs():
             with gr.Tab("Run", id="run", elem_id="tab-run"):
                 run = build_run_tab()

@@ -34,7 +34,9 @@ HINT = "Click a token of the run above, pick an alternative (or type one) and pr
 
 
 def build_branch_panel() -> dict:
-    with gr.Accordion("Branch from here: what if the model had picked another token?", open=True) as accordion:
+    with gr.Accordion(
+        "Branch from here: what if the model had picked another token?", open=True, elem_classes=["dl-hide-present"]
+    ) as accordion:
         where = gr.Markdown(HINT, elem_id="branch-where")
         with gr.Row(equal_height=True):
             choice = gr.Dropdown([], value=None, label="continue with", elem_id="branch-choice", scale=2)

@@ -239,7 +239,7 @@ def build_run_tab() -> dict:
                     elem_id="prompt",
                     scale=5,
                 )
-                with gr.Column(scale=1, min_width=150):
+                with gr.Column(scale=1, min_width=150, elem_id="run-stop"):
                     run = gr.Button("Run", variant="primary", elem_id="run-button")
                     stop = gr.Button("Stop", variant="stop", elem_id="stop-button")
             with gr.Group(elem_classes=["dl-hide-present"], elem_id="example-prompts"):
@@ -249,7 +249,7 @@ def build_run_tab() -> dict:
                     label="Example prompts (click one)",
                     examples_per_page=EXAMPLES_PER_PAGE,
                 )
-            with gr.Row(equal_height=True):
+            with gr.Row(equal_height=True, elem_id="run-controls"):
                 ui["chat"] = gr.Checkbox(value=True, label="chat template", elem_id="chat", scale=0, min_width=140)
                 ui["pace"] = gr.Radio(list(PACES), value=REALTIME, label="Pace", elem_id="pace", scale=3)
                 ui["back"], ui["next"] = step_buttons("")

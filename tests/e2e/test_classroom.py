@@ -106,17 +106,61 @@ def test_keyboard_steps_through_the_finished_run(page, warm):
     ui.wait_until(lambda: ui.token_spans(page).count() == total, "back at the end", 30, page)
 
 
-def test_presentation_mode_shows_large_type_and_one_figure(page, warm, screenshot):
+_FIGURE_TEXT_PX_JS = """
+() => Array.from(document.querySelectorAll('#main-plot .xtick text, #main-plot .ytick text'))
+  .map((t) => t.getBoundingClientRect().height).filter((h) => h > 0)
+"""
+
+
+def test_presentation_mode_fills_a_1280x720_screen_with_the_run(page, warm, screenshot):
+    """Presentation mode at 1280 x 720: settings, header, prompt, details and the Branch panel hidden; the token view
+    and the main figure start near the top and fill the screen; token text large, figure text at least 18 px."""
     page.set_viewport_size({"width": 1280, "height": 720})
+    page.evaluate("window.scrollTo(0, 0)")
     ui.button(page, "present-button").click()
     ui.wait_until(lambda: page.evaluate("document.body.classList.contains('dl-present')"), "presentation", 10, page)
-    assert not page.locator("#run-settings").is_visible()
-    assert not page.locator("#detail-plot-1").is_visible() and page.locator("#main-plot").is_visible()
+    page.evaluate("window.scrollTo(0, 0)")
+    page.wait_for_timeout(1500)  # plotly re-lays out the zoomed figure
+    for hidden in ("#run-settings", "#detail-plot-1", "#branch-button", "#prompt", "#example-prompts"):
+        assert not page.locator(hidden).first.is_visible(), f"{hidden} is visible in presentation mode"
+    assert side_by_side_on_screen(page, 720) == ""
+    plot = ui.box(page, "#main-plot")
+    bottom = plot["y"] + plot["height"]
+    assert plot["y"] < 280 and 560 < bottom <= 730, f"the figure does not fill the screen: {plot}"
     size = page.evaluate("parseFloat(getComputedStyle(document.querySelector('#token-view .dl-tokens')).fontSize)")
     assert size >= 28, size
+    texts = "Array.from(document.querySelectorAll('#main-plot svg text'))"
+    rights = page.evaluate(f"{texts}.map(t => t.getBoundingClientRect().right)")
+    assert max(rights) <= plot["x"] + plot["width"] + 1, "the zoomed figure is cut at its right edge"
+    heights = page.evaluate(_FIGURE_TEXT_PX_JS)
+    assert heights and min(heights) >= 18, f"figure tick text boxes {heights[:6]} px high"
     screenshot(page, "presentation")
     ui.button(page, "present-button").click()
     assert page.locator("#run-settings").is_visible()
+
+
+def test_the_phone_layout_puts_the_prompt_first_and_lists_the_stats(page, warm, screenshot):
+    """390 x 844: the prompt and Run are on the first screen; the stats read as a list (each name beside its value,
+    no cell one letter wide)."""
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.evaluate("document.body.classList.remove('dl-present'); window.scrollTo(0, 0)")
+    page.wait_for_timeout(500)
+    for selector in ("#prompt textarea", "#run-button"):
+        b = ui.box(page, selector)
+        assert b and b["y"] + b["height"] < 844, f"{selector} is not on the first screen: {b}"
+    cells = page.evaluate(
+        """() => Array.from(document.querySelectorAll('#stats th')).map((th, i) => {
+             const td = document.querySelectorAll('#stats td')[i];
+             const a = th.getBoundingClientRect(), b = td.getBoundingClientRect();
+             return {name: th.innerText, ay: a.top, by: b.top, aw: a.width, bw: b.width, bl: b.left, ar: a.right};
+           })"""
+    )
+    assert len(cells) >= 5
+    for c in cells:
+        assert abs(c["ay"] - c["by"]) < 4 and c["bl"] >= c["ar"] - 1, f"{c['name']} is not beside its value: {c}"
+        assert c["aw"] > 40 and c["bw"] > 20, f"a stats cell is squeezed: {c}"
+    screenshot(page, "phone-390x844")
+    page.set_viewport_size({"width": 1400, "height": 1000})
 
 
 def test_branch_from_here_starts_with_the_chosen_token(page, warm, screenshot):
