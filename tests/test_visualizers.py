@@ -247,3 +247,16 @@ def test_the_token_detail_of_a_tree_round_has_the_drafts_q_under_the_accepted_pa
     accepted = next(i for i, e in enumerate(tokens) if e.source == "accepted")
     detail = token_detail(trace.events, accepted)
     assert tokens[accepted].text in detail.q and 0 < detail.q[tokens[accepted].text] <= 1
+
+
+def test_fit_figure_wraps_long_titles_and_puts_legends_in_their_own_row() -> None:
+    from visualizers.fit import fit_figure
+
+    fig = go.Figure([go.Scatter(x=[0], y=[0], name="accepted"), go.Scatter(x=[0], y=[0], name="rejected")])
+    fig.update_layout(**base_layout("A long title " * 8, 300), legend={"orientation": "h", "y": -0.3})
+    fitted = fit_figure(fig, 440)
+    assert "<br>" in fitted.layout.title.text and fitted.layout.legend.y == 1.0
+    assert fitted.layout.legend.yanchor == "bottom" and fitted.layout.height > 300
+    assert fitted.layout.margin.t >= 44 + 20 + 26 and fitted.layout.yaxis.automargin
+    short = fit_figure(go.Figure(layout=base_layout("Short", 300)), 440)
+    assert short.layout.title.text == "Short" and short.layout.height == 300
