@@ -242,7 +242,13 @@ def build_run_tab() -> dict:
                 with gr.Column(scale=1, min_width=150, elem_id="run-stop"):
                     run = gr.Button("Run", variant="primary", elem_id="run-button")
                     stop = gr.Button("Stop", variant="stop", elem_id="stop-button")
-            with gr.Group(elem_classes=["dl-hide-present"], elem_id="example-prompts"):
+            # closed, so the token view and the figure stay on a 1280 x 720 screen while a run streams
+            with gr.Accordion(
+                "Example prompts (open to pick one)",
+                open=False,
+                elem_classes=["dl-hide-present"],
+                elem_id="example-prompts",
+            ):
                 gr.Examples(
                     [[p.text] for p in BUILTIN_PROMPTS],
                     inputs=[ui["prompt"]],

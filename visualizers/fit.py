@@ -18,7 +18,7 @@ import plotly.graph_objects as go
 TITLE_CHAR_PX = 7.4  # a 14 px title's mean character width
 LINE_PX = 20
 LEGEND_ROW_PX = 26
-TITLE_TOP_PX = 22
+TITLE_TOP_PX = 32
 LEGEND_ITEM_PX = 46  # a legend item's symbol and gaps
 LEGEND_CHAR_PX = 6.6
 DEFAULT_WIDTH_PX = 440  # the narrowest plot slot of the app's layout
@@ -54,7 +54,8 @@ def fit_figure(fig: go.Figure, width_px: float | None = None) -> go.Figure:
     fig.update_yaxes(automargin=True)
     title = layout.title.text or ""
     limit = int((width - 30) / TITLE_CHAR_PX)
-    if title and _plain_length(title) > limit and "<br>" not in title:
+    wrapped = bool(title) and _plain_length(title) > limit and "<br>" not in title
+    if wrapped:
         fig.update_layout(title_text=_wrap(title, limit))
         top, height = top + LINE_PX, height + LINE_PX
     if any(t.type == "heatmap" and t.showlegend for t in fig.data):  # a side legend would cover the colour bar
@@ -63,7 +64,9 @@ def fit_figure(fig: go.Figure, width_px: float | None = None) -> go.Figure:
         fig.update_layout(legend={"y": 1.0, "yanchor": "bottom", "x": 0, "xanchor": "left"})
         rows = _legend_rows(fig, width)
         top, height = top + rows * LEGEND_ROW_PX, height + rows * LEGEND_ROW_PX
-    if title:  # its first line TITLE_TOP_PX under the figure's top edge (plotly ignores the pad here)
+    if title and (wrapped or layout.legend.orientation == "h"):
+        # its first line TITLE_TOP_PX under the figure's top edge (plotly ignores the pad here), clear of the legend
+        top, height = top + TITLE_TOP_PX // 2, height + TITLE_TOP_PX // 2
         fig.update_layout(title={"yref": "container", "y": 1.0 - TITLE_TOP_PX / height, "yanchor": "top"})
     fig.update_layout(margin_t=top, height=height)
     return fig
