@@ -14,9 +14,9 @@ recently finished ones are answered from their recorded events. At most DECODING
 and for how long. Each run has a hard time limit (MAX_RUN_SECONDS). Before each run `lab.engine.threads.apply` picks the
 intra-op threads from the CPUs free at that moment.
 Light work (replay, inspect, learn, stepping, pace changes) runs in its own concurrency groups. Per-session data
-lives in gr.State with a time to live; models are
-shared through the `lab.engine.models` cache (at most two loaded, never one per session). Stop cancels the running
-generator, whose `finally` frees the KV cache. Renders are throttled to about 5 per second.
+lives in gr.State with a time to live; models are shared through the `lab.engine.models` cache (at most two loaded,
+never one per session). Stop ends the session's live run as a result (the tokens shown so far, closed as a cancelled
+run; the lane's generator is closed, which frees the KV cache). Renders are throttled to about 5 per second.
 ZeroGPU (Hugging Face Spaces): `model_events` (load, encode, stream plain trace events) is wrapped with
 `spaces.GPU` when SPACES_ZERO_GPU is set and `spaces` imports (`lab.app.zerogpu`); figures are built outside it.
 
@@ -29,23 +29,26 @@ streams four columns of (title, token_html, stats, figure), then the diff HTML a
 
 Element ids (stable; the browser tests use them; the Run tab's weight precision is `precision`):
   tabs: tab-run, tab-compare, tab-replay, tab-learn, tab-measure
-  run:  run-settings, model, strategy, preset, prompt, run-button, stop-button, chat, pace, step-back, step-next,
+  page: dl-header
+  run:  run-settings, model, strategy, preset, prompt, example-prompts, run-stop, run-button, stop-button,
+        run-controls, chat, pace, step-back, step-next,
         present-button, stats, views, token-view, main-plot, detail-plot-{1..5}, text, trace-file,
-        inspect-accordion, inspect-step, inspect-gamma, inspect-plot, alternatives,
+        inspect-accordion, inspect-token, inspect-step, inspect-gamma, inspect-token-plot, inspect-plot, alternatives,
         branch-where, branch-choice, branch-typed, branch-button, branch-original, branch-title, branch-tokens,
         branch-stats, run-tree
   compare: compare-strategies, compare-prompt, compare-seed, compare-tokens-max, compare-run, compare-stop,
         compare-col-{0..3}, compare-title-{0..3}, compare-tokens-{0..3}, compare-stats-{0..3}, compare-plot-{0..3},
-        compare-diff, compare-summary, compare-inspect-plot, compare-alternatives
+        compare-diff, compare-summary, compare-inspect-token-plot, compare-inspect-plot, compare-alternatives
   replay: trace-upload, replay-example, history, history-open, replay-status, replay-slider, replay-play,
         replay-pause, replay-step-back, replay-step-next, replay-present-button, replay-views, replay-stats,
         replay-token-view, replay-main-plot, replay-detail-plot-{1..5}, replay-text,
-        replay-inspect-plot, replay-alternatives
+        replay-inspect-token-plot, replay-inspect-plot, replay-alternatives
   learn: learn-language, learn-strategy, learn-text
   measure: measure-strategies, measure-prompts, measure-tokens, measure-run, measure-table, measure-quality,
         measure-acceptance, measure-matrix, measure-file
 Token views (token-view, replay-token-view, compare-tokens-i) are gr.HTML with a click listener: clicking a
-token (a span with data-step) opens that step in the tab's inspector (top-k alternatives + the strategy's view)
+token (a span with data-step and data-index) opens that token in the tab's inspector (its own distribution: the
+target's p at its position and the draft's q where one exists, its table, and the strategy's figure of its round)
 and, in the Run tab, offers its alternatives to "Branch from here". Layout (ui/layout.py): token view and main
 figure side by side, details in an accordion, presentation mode (body.dl-present), left / right arrow keys click
 the visible tab's ◀ / ▶ buttons.
@@ -59,9 +62,10 @@ import threading
 import gradio as gr
 
 from lab.engine.models import EMBEDDED_MODEL, ModelLoadError, load_model
-from ui.common import HUB, LIGHT, MAX_UPLOAD, QUEUE_MAX_SIZE, inspect_trace, stats_markdown
+from ui.common import HUB, LIGHT, MAX_UPLOAD, QUEUE_MAX_SIZE, stats_markdown
 from ui.compare_tab import build_compare_tab
-from ui.layout import CSS, KEYS_JS
+from ui.inspector import inspect_trace
+from ui.layout import CSS, PAGE_JS
 from ui.learn_tab import build_learn_tab
 from ui.measure_tab import build_measure_tab
 from ui.replay_tab import build_replay_tab, record_run
@@ -75,7 +79,10 @@ def build_app(queue_max_size: int = QUEUE_MAX_SIZE) -> gr.Blocks:
     from ui.run_tab import build_run_tab
 
     with gr.Blocks(title="Decoding Lab") as demo:
-        gr.Markdown("# Decoding Lab\nRun decoding strategies on a real model and watch what they do, token by token.")
+        gr.Markdown(
+            "# Decoding Lab\nRun decoding strategies on a real model and watch what they do, token by token.",
+            elem_id="dl-header",
+        )
         with gr.Tabs():
             with gr.Tab("Run", id="run", elem_id="tab-run"):
                 run = build_run_tab()
@@ -123,7 +130,7 @@ def main() -> None:
         server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
         theme=gr.themes.Soft(),
         css=CSS,
-        js=KEYS_JS,
+        js=PAGE_JS,
         max_file_size=MAX_UPLOAD,
         max_threads=2 * QUEUE_MAX_SIZE + 40,  # waiting Run handlers hold a thread each
     )

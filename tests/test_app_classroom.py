@@ -12,7 +12,8 @@ import pytest
 from lab.app import shared_runs
 from lab.app.branching import BranchError, branch_point, branch_record
 from lab.app.pacing import STEP, PaceControl, Pacer, token_cuts
-from lab.app.replay import token_count, trace_at, trace_at_token
+from lab.app.replay import position_status, token_count, trace_at, trace_at_token
+from lab.app.runner import stopped_trace
 from lab.app.shared_runs import QueueFull, RunHub, Waiting
 from lab.engine import threads
 from lab.trace import RunFinished, TokenEmitted, Trace, from_json, to_json
@@ -209,3 +210,23 @@ def test_trace_files_written_at_once_by_many_handlers_all_land(tmp_path, monkeyp
         worker.join()
     assert not errors and len(paths) == 20
     assert len(list(tmp_path.glob("*.json"))) <= 5
+
+
+def test_a_stopped_run_is_closed_as_a_cancelled_partial_run():
+    """Stop (lab.app.runner.stopped_trace): the partial run gets a RunFinished("cancelled") and survives JSON."""
+    control = PaceControl()
+    control.request_stop()
+    assert control.stop_requested
+    trace = Trace("greedy", "m", "p", {}, [token(0, "a"), token(1, "b")])
+    stopped = stopped_trace(trace)
+    assert [e.stop_reason for e in stopped.events if isinstance(e, RunFinished)] == ["cancelled"]
+    assert stopped.text == "ab" and len(trace.events) == 2  # the live trace is left alone
+    assert from_json(to_json(stopped)).events[-1].stop_reason == "cancelled"
+    assert stopped_trace(stopped) is stopped  # a run that finished is not closed twice
+
+
+def test_the_position_status_says_which_token_is_shown_until_the_end():
+    trace = Trace("greedy", "m", "p", {}, [token(0), token(1), RunFinished(2, "eos", 0.1, 0, 2)])
+    assert position_status(trace, trace_at_token(trace, 1)) == "token 1 of 2 shown"
+    assert position_status(trace, trace_at_token(trace, 2)) == ""  # the end: the run's own stop reason
+    assert position_status(trace, trace_at_token(trace, 2), "stopped by you") == "stopped by you"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import re
+from pathlib import Path
 
 import plotly.graph_objects as go
 import pytest
@@ -210,3 +211,52 @@ def test_inspect_step_draws_the_steps_alternatives_and_drops_unknown_knobs() -> 
     assert list(bar.x) == first.top_probs
     assert len(bar.y) == len(first.top_tokens)
     assert "No token at step 999" in inspect_step("greedy", events, 999).layout.annotations[0].text
+
+
+def _example(name: str):
+    from lab.trace import from_json
+
+    return from_json((Path(__file__).resolve().parent.parent / "examples" / "traces" / f"{name}.json").read_text())
+
+
+def test_the_token_detail_of_a_round_is_that_tokens_own_and_the_tooltip_agrees() -> None:
+    """A token in the middle of a verified round: its own p (not the round's first), the draft's q at its position,
+    and the same numbers in the tooltip, the table and the figure (one source: token_detail.ranked)."""
+    from visualizers.token_detail import token_detail, token_figure, token_rows
+
+    trace = _example("speculative")
+    tokens = [e for e in trace.events if isinstance(e, TokenEmitted)]
+    index = next(i for i in range(1, len(tokens)) if tokens[i].step == tokens[i - 1].step)
+    detail = token_detail(trace.events, index)
+    assert detail.offset >= 1 and detail.event is tokens[index]
+    assert [r[2] for r in token_rows(detail)] == [round(p, 4) for p in tokens[index].top_probs]
+    assert [(r[0], r[2]) for r in alternatives_table(trace.events, index)] == [(r[0], r[2]) for r in token_rows(detail)]
+    assert detail.q, "an accepted draft token has the drafter's q at its position"
+    figure = token_figure(trace.events, index)
+    assert [round(p, 4) for p in figure.data[0].x] == [round(p, 4) for p in tokens[index].top_probs]
+    assert figure.data[1].name == "draft q" and figure.layout.title.text.startswith(f"Token {index + 1} ")
+    assert f"p={tokens[index].top_probs[0]:.4f}" in token_view_html(trace.events)
+    assert token_detail(trace.events, len(tokens)) is None and token_rows(None) == []
+
+
+def test_the_token_detail_of_a_tree_round_has_the_drafts_q_under_the_accepted_path() -> None:
+    from visualizers.token_detail import token_detail
+
+    trace = _example("eagle")
+    tokens = [e for e in trace.events if isinstance(e, TokenEmitted)]
+    accepted = next(i for i, e in enumerate(tokens) if e.source == "accepted")
+    detail = token_detail(trace.events, accepted)
+    assert tokens[accepted].text in detail.q and 0 < detail.q[tokens[accepted].text] <= 1
+
+
+def test_fit_figure_wraps_long_titles_and_puts_legends_in_their_own_row() -> None:
+    from visualizers.fit import fit_figure
+
+    fig = go.Figure([go.Scatter(x=[0], y=[0], name="accepted"), go.Scatter(x=[0], y=[0], name="rejected")])
+    fig.update_layout(**base_layout("A long title " * 8, 300), legend={"orientation": "h", "y": -0.3})
+    fitted = fit_figure(fig, 440)
+    assert "<br>" in fitted.layout.title.text and fitted.layout.legend.y == 1.0
+    assert fitted.layout.legend.yanchor == "bottom" and fitted.layout.height > 300
+    assert fitted.layout.margin.t >= 44 + 20 + 26 and fitted.layout.yaxis.automargin
+    short = fit_figure(go.Figure(layout=base_layout("Short", 300)), 440)
+    assert short.layout.title.text == "Short" and short.layout.height == 300

@@ -19,21 +19,24 @@ from ui.common import (
     MAX_RUN_SECONDS,
     RUN_QUEUE,
     STATE_TTL_S,
-    clicked_step,
     start_pacing,
     stats_line,
     stream_trace,
     write_trace_file,
 )
+from ui.inspector import clicked_index, clicked_step
 from ui.layout import TOKEN_CLICK_JS
 from visualizers import display_token, strategy_token_view
 from visualizers.branches import run_tree_html
+from visualizers.token_detail import ranked
 
 HINT = "Click a token of the run above, pick an alternative (or type one) and press **Branch from here**."
 
 
 def build_branch_panel() -> dict:
-    with gr.Accordion("Branch from here: what if the model had picked another token?", open=True) as accordion:
+    with gr.Accordion(
+        "Branch from here: what if the model had picked another token?", open=True, elem_classes=["dl-hide-present"]
+    ) as accordion:
         where = gr.Markdown(HINT, elem_id="branch-where")
         with gr.Row(equal_height=True):
             choice = gr.Dropdown([], value=None, label="continue with", elem_id="branch-choice", scale=2)
@@ -66,18 +69,17 @@ def build_branch_panel() -> dict:
 
 
 def on_token(state: dict | None, evt: gr.EventData) -> list:
-    """A click on a token of the run: offer that token's alternatives (second best preselected)."""
-    data = getattr(evt, "_data", None)
-    index = data.get("index") if isinstance(data, dict) else None
+    """A click on a token of the run: offer that token's alternatives (second best preselected), from
+    `visualizers.token_detail.ranked`, the source of the tooltip and the inspector too."""
+    index = clicked_index(evt)
     tokens = tokens_of(state["trace"]) if state else []
-    if clicked_step(evt) is None or not isinstance(index, (int, float)) or not 0 <= index < len(tokens):
+    if clicked_step(evt) is None or index is None or not index < len(tokens):
         return [gr.skip()] * 3
-    at = tokens[int(index)]
-    rows = enumerate(zip(at.top_tokens, at.top_ids, at.top_probs, strict=False), start=1)
-    choices = [(f"{r}. {display_token(t, escape=False)}  (p={p:.3f})", i) for r, (t, i, p) in rows]
+    at = tokens[index]
+    choices = [(f"{a.rank}. {display_token(a.text, escape=False)}  (p={a.p:.3f})", a.token_id) for a in ranked(at)]
     preferred = next((i for _, i in choices if i != at.token_id), None)
-    where = f"Branch at token {int(index) + 1} (step {at.step}): the run chose **{display_token(at.text)}**."
-    return [where, gr.Dropdown(choices=choices, value=preferred), int(index)]
+    where = f"Branch at token {index + 1} (step {at.step}): the run chose **{display_token(at.text)}**."
+    return [where, gr.Dropdown(choices=choices, value=preferred), index]
 
 
 def branch_run(request: gr.Request, state: dict | None, at, choice, typed: str, pace: str, runs: list | None):

@@ -5,13 +5,14 @@ step inspector and its token-click wiring. Gradio UI code only; the logic lives 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import gradio as gr
@@ -19,24 +20,18 @@ import gradio as gr
 from lab.app.branching import BranchError, BranchPoint, branch_record
 from lab.app.pacing import REALTIME, STEP, PaceControl, Pacer, PaceRegistry
 from lab.app.presets import MODELS
-from lab.app.runner import new_trace, record_choice, stream_request
+from lab.app.run_stats import fmt, is_acceleration, key_quantities, speed_vs_greedy
+from lab.app.runner import new_trace, record_choice, stopped_trace, stream_request
 from lab.app.shared_runs import Job, QueueFull, RunHub, Waiting, request_key
 from lab.app.validation import RunRequest, validate_request
 from lab.app.zerogpu import gpu_function, zero_gpu_enabled
 from lab.engine import threads
 from lab.engine.models import ModelLoadError
 from lab.params import DecodeParams, InputError
-from lab.trace import TokenEmitted, Trace, TraceError, from_json, summarize, to_json
+from lab.trace import TokenEmitted, Trace, summarize, to_json
 from strategies import REGISTRY, by_family
 from ui.layout import MAX_FIGURES
-from visualizers import (
-    alternatives_table,
-    empty_figure,
-    inspect_step,
-    strategy_figures,
-    strategy_token_view,
-    strategy_view,
-)
+from visualizers import strategy_figures, strategy_token_view
 
 RENDER_INTERVAL_S = 0.2
 # Deployment knobs (environment): the hard limit of one run, the waiting events the queue accepts.
@@ -68,7 +63,6 @@ PACE = PaceRegistry()
 # and shows no text). It is refused with the queue-full message only when max_size events are already waiting.
 LIGHT = {"concurrency_id": "light", "concurrency_limit": None, "api_visibility": "private"}
 LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "$", "right": "$", "display": False}]
-ALTERNATIVE_HEADERS = ["rank", "token", "p"]
 
 
 # --- model work (inside spaces.GPU on ZeroGPU: plain events out, no figures) ---------------------------------
@@ -123,8 +117,16 @@ def pace_text(pacer: Pacer | None, shown: list, arrived: list, done: bool) -> st
         return ""
     pace, _ = pacer.control.snapshot()
     total = sum(isinstance(e, TokenEmitted) for e in arrived)
-    head = "⏸ step mode: press → or Step" if pace == STEP else f"paced at {pace}"
+    head = "step mode: press ▶ (or the → key) for the next token" if pace == STEP else f"paced at {pace}"
     return f"{head} · {pacer.shown} of {total}{'' if done else '+'} tokens shown"
+
+
+STOPPED_STATUS = "stopped by you"
+STOP_WORDS = {"cancelled": STOPPED_STATUS}
+
+
+def stop_pressed(control: PaceControl | None) -> bool:
+    return control is not None and control.stop_requested
 
 
 def stream_trace(
@@ -133,7 +135,9 @@ def stream_trace(
     """(shown trace, final, status, full trace) about every RENDER_INTERVAL_S while the run streams (and while it
     waits in line: the status says where), then once final. With a PaceControl the events are buffered and the shown
     trace is released at its pace (the run itself is not slowed); step mode ends when the run has ended, showing the
-    tokens released so far. Bad input or a model that cannot load becomes a gr.Error (the server keeps serving)."""
+    tokens released so far. Stop (the control's stop_requested) ends the run as a result: the final update holds the
+    tokens shown so far, closed as a cancelled run. Bad input or a model that cannot load becomes a gr.Error (the
+    server keeps serving)."""
     trace = new_trace(request)
     trace.precision = request.precision  # as requested: the model loads inside the GPU function (ZeroGPU)
     trace.branch = branch_record(point) if point else None
@@ -142,7 +146,7 @@ def stream_trace(
     follow = HUB.follow(job, POLL_S) if job else direct_batches(request, point)
     last_render, shown_len, status, done, waiting = 0.0, -1, "", False, ""
     try:
-        while True:
+        while not stop_pressed(control):
             item = next(follow, None)
             done = item is None
             if isinstance(item, Waiting):  # a new message when the place changes, else once a second
@@ -171,10 +175,19 @@ def stream_trace(
         raise gr.Error(str(error)) from None
     finally:
         follow.close()
-    status = status or (job.status if job else "")
     record_choice(trace, request)  # the resolved dtype and precision, and why (the model has loaded by now)
+    yield final_update(trace, pacer, status or (job.status if job else ""), stopped=stop_pressed(control))
+
+
+def final_update(trace: Trace, pacer: Pacer | None, status: str, stopped: bool) -> tuple[Trace, bool, str, Trace]:
+    """The last (shown, True, status, full) of a run: everything shown once the run ended; what was on screen when
+    Stop was pressed, closed as a cancelled run (the full trace then is that same partial run)."""
+    if stopped:
+        shown = pacer.visible(trace.events, time.monotonic()) if pacer else len(trace.events)
+        partial = stopped_trace(trace_prefix(trace, shown))
+        return partial, True, STOPPED_STATUS, partial
     visible = pacer.visible(trace.events, time.monotonic(), True) if pacer else len(trace.events)
-    yield trace_prefix(trace, visible), True, status or pace_text(pacer, [], trace.events, True), trace
+    return trace_prefix(trace, visible), True, status or pace_text(pacer, [], trace.events, True), trace
 
 
 def trace_prefix(trace: Trace, n: int) -> Trace:
@@ -194,6 +207,7 @@ def start_pacing(request: gr.Request | None, pace: str) -> PaceControl:
     control = session_pace(request)
     control.set_pace(pace)
     control.step(-control.snapshot()[1])
+    control.stop_requested = False
     control.live = True
     return control
 
@@ -220,28 +234,60 @@ def strategy_info(name: str) -> str:
     return f"**{strategy.name}** ({strategy.family}): {strategy.summary}  \n*Paper:* {strategy.paper}"
 
 
-def stats_markdown(trace: Trace, status: str = "") -> str:
+def stats_markdown(trace: Trace, status: str = "", extra: list[tuple[str, str]] | None = None, note: str = "") -> str:
+    """The run's stats as one table row: counts, speed, acceptance α / τ (2 decimals), the method's own quantity
+    (lab.app.run_stats.key_quantities), `extra` columns (the Run tab's speedup) and why it stopped; `note`: a line
+    under the table."""
     stats = summarize(trace.events)
     rows = [
         ("tokens", stats.new_tokens),
-        ("tokens/s", stats.tokens_per_s),
+        ("tokens/s", fmt(stats.tokens_per_s, 1)),
         ("target forwards", stats.target_forwards),
-        ("forwards/token", stats.forwards_per_token),
+        ("forwards/token", fmt(stats.forwards_per_token)),
     ]
     if stats.acceptance_rate is not None:
-        rows += [("acceptance α", stats.acceptance_rate), ("τ (tokens/round)", stats.mean_accepted_length)]
-    rows.append(("stop", status or stats.stop_reason))
+        rows += [("acceptance α", fmt(stats.acceptance_rate)), ("τ (tokens/round)", fmt(stats.mean_accepted_length))]
+    rows += key_quantities(trace.events) + list(extra or [])
+    rows.append(("stop", status or STOP_WORDS.get(stats.stop_reason, stats.stop_reason)))
     header = "| " + " | ".join(k for k, _ in rows) + " |\n|" + "---|" * len(rows)
-    choice = f"\n\n*Model: {trace.choice}*" if trace.choice else ""  # dtype and precision, and why
-    return header + "\n| " + " | ".join(str(v) for _, v in rows) + " |" + choice
+    table = header + "\n| " + " | ".join(str(v) for _, v in rows) + " |"
+    note = "\n\n".join(part for part in (note, f"*Model: {trace.choice}*" if trace.choice else "") if part)
+    return f"{table}\n\n{note}" if note else table
+
+
+def greedy_baseline(request: RunRequest) -> list | None:
+    """The events of a recent greedy run (shared lane's cache) of the same prompt, model, device, dtype, chat
+    template and seed, any budget; None when there is none."""
+    wanted = [request.model, request.device, request.dtype, "greedy"]
+
+    def matches(key: str) -> bool:
+        parts = json.loads(key)
+        same = parts[:4] == wanted and parts[5:7] == [request.prompt, request.chat]
+        return same and parts[4].get("repetition_penalty", 1.0) == 1.0 and parts[8] == []
+
+    return HUB.recent(matches)
+
+
+def speed_stats(trace: Trace, request: RunRequest) -> tuple[list[tuple[str, str]], str]:
+    """The Run tab's speedup column for an acceleration method and a line under the stats: the speed against a
+    recent greedy run of the same prompt and why it is below 1x, or how to get one."""
+    if not is_acceleration(trace.events):
+        return [], ""
+    greedy = greedy_baseline(request)
+    speed = speed_vs_greedy(trace.events, greedy) if greedy else None
+    if speed is None:
+        return [("speedup vs greedy", "-")], "Speed: run greedy on this prompt (same model) to see the speedup."
+    line = f"Speed: {speed.speedup:.2f}x greedy ({speed.greedy_tokens_per_s:.1f} tok/s on this prompt)"
+    return [("speedup vs greedy", f"{speed.speedup:.2f}x")], f"{line}; {speed.reason}." if speed.reason else line
 
 
 def stats_line(trace: Trace, status: str = "") -> str:
     """The run's numbers on one line (narrow columns)."""
     stats = summarize(trace.events)
-    parts = [f"{stats.new_tokens} tokens", f"{stats.tokens_per_s} tok/s", f"{stats.forwards_per_token} fwd/token"]
+    parts = [f"{stats.new_tokens} tokens", f"{fmt(stats.tokens_per_s, 1)} tok/s"]
+    parts.append(f"{fmt(stats.forwards_per_token)} fwd/token")
     if stats.acceptance_rate is not None:
-        parts += [f"α {stats.acceptance_rate}", f"τ {stats.mean_accepted_length}"]
+        parts += [f"α {fmt(stats.acceptance_rate)}", f"τ {fmt(stats.mean_accepted_length)}"]
     return " · ".join(parts + [status or stats.stop_reason])
 
 
@@ -290,79 +336,3 @@ def render(trace: Trace, final: bool, status: str = "", full: Trace | None = Non
     position = sum(isinstance(e, TokenEmitted) for e in trace.events)
     state = {"id": uuid.uuid4().hex, "trace": full, "path": path, "status": status, "position": position}
     return [tokens, main, stats, text, trace_json, path, *details, state]
-
-
-def inspect_figure(trace: Trace | None, step: int, gamma: float) -> list:
-    """[step figure, gamma slider, alternatives rows] of one step, re-rendered from the trace (no model)."""
-    if trace is None:
-        return [empty_figure("Inspect a step", "Run a strategy first"), gr.skip(), []]
-    figure = inspect_step(trace.strategy, trace.events, int(step or 0), gamma=gamma)
-    knobs = strategy_view(trace.strategy).knobs
-    return [figure, gr.Slider(visible="gamma" in knobs), alternatives_table(trace.events, int(step or 0))]
-
-
-def inspect_trace(trace_json: str, step: float, gamma: float):
-    """Re-render one step of a trace given as JSON: (figure, gamma slider)."""
-    if not trace_json:
-        return empty_figure("Inspect a step", "Run a strategy first"), gr.skip()
-    try:
-        trace = from_json(trace_json)
-    except TraceError as error:
-        raise gr.Error(f"Cannot read the trace: {error}") from None
-    figure, gamma_slider, _rows = inspect_figure(trace, step, gamma)
-    return figure, gamma_slider
-
-
-def clicked_step(evt: gr.EventData) -> int | None:
-    """The step sent by a token view's click (None for a click outside a token or a malformed payload)."""
-    data = getattr(evt, "_data", None)
-    step = data.get("step") if isinstance(data, dict) else None
-    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
-        return None
-    return int(step) if 0 <= step < 10_000_000 else None
-
-
-def build_inspector(prefix: str, open_: bool = False) -> dict:
-    """Step inspector: a step number, the strategy's knob (CFG's gamma), its figure and the top-k table."""
-    with gr.Accordion(
-        "Inspect a step (click a token; re-rendered from the trace, no model run)",
-        open=open_,
-        elem_id=f"{prefix}inspect-accordion",
-    ) as accordion:
-        with gr.Row():
-            step = gr.Number(value=0, precision=0, minimum=0, label="step", elem_id=f"{prefix}inspect-step")
-            gamma = gr.Slider(
-                0.0, 5.0, value=1.5, step=0.1, label="gamma", visible=False, elem_id=f"{prefix}inspect-gamma"
-            )
-        plot = gr.Plot(label="Step detail (full width)", elem_id=f"{prefix}inspect-plot")
-        with gr.Row():
-            table = gr.Dataframe(
-                headers=ALTERNATIVE_HEADERS, label="Top-k alternatives", elem_id=f"{prefix}alternatives"
-            )
-    return {"accordion": accordion, "step": step, "gamma": gamma, "plot": plot, "table": table}
-
-
-def wire_inspector(inspector: dict, state: gr.State, sources: list[tuple[gr.HTML, Callable]]) -> None:
-    """Clicking a token of any source's token view (or editing the step / gamma) re-renders that step from the
-    trace `get_trace(state value)` of the source clicked last. sources: (token view, get_trace) pairs."""
-    which = gr.State(0)
-    outputs = [inspector["plot"], inspector["gamma"], inspector["table"]]
-    for index, (tokens, get_trace) in enumerate(sources):
-
-        def on_click(value, gamma: float, evt: gr.EventData, _get=get_trace, _index=index):
-            trace = _get(value)
-            step = clicked_step(evt)
-            if trace is None or step is None:
-                return [gr.skip()] * 7
-            view = strategy_token_view(trace.strategy, trace.events, step)
-            return [gr.Accordion(open=True), step, view, *inspect_figure(trace, step, gamma), _index]
-
-        click_outputs = [inspector["accordion"], inspector["step"], tokens, *outputs, which]
-        tokens.click(on_click, [state, inspector["gamma"]], click_outputs, **LIGHT)
-
-    def on_change(value, index: int, step: float, gamma: float):
-        get_trace = sources[index][1] if 0 <= index < len(sources) else sources[0][1]
-        return inspect_figure(get_trace(value), step, gamma)
-
-    triggers = [inspector["step"].submit, inspector["gamma"].release]
-    gr.on(triggers, on_change, [state, which, inspector["step"], inspector["gamma"]], outputs, **LIGHT)

@@ -18,16 +18,15 @@ from ui.common import (
     MAX_RUN_SECONDS,
     MODEL_QUEUE,
     STATE_TTL_S,
-    build_inspector,
     checked_request,
-    empty_figure,
     stats_line,
     strategy_choices,
     stream_trace,
     view_updates,
-    wire_inspector,
 )
+from ui.inspector import build_inspector, wire_inspector
 from ui.layout import TOKEN_CLICK_JS
+from visualizers import empty_figure
 from visualizers.compare import diff_html
 
 COLUMN_OUTPUTS = 4  # title, token view, stats, main plot

@@ -32,20 +32,89 @@ KEYS_JS = """
   });
 }
 """
-PRESENT_JS = "() => { document.body.classList.toggle('dl-present'); }"
+# A number typed into a bounded field (a slider's box, a Number with a minimum) outside its range is clamped to the
+# nearest bound at once, and a note under the field says so, naming it; Gradio would otherwise keep showing the typed
+# value while the slider (and the run) silently use the bound.
+CLAMP_JS = """
+() => {
+  if (window.__dlClamp) return;
+  window.__dlClamp = true;
+  document.addEventListener('change', (event) => {
+    const box = event.target;
+    if (!box || box.tagName !== 'INPUT' || box.type !== 'number' || box.value === '') return;
+    const block = box.closest('.block');
+    const value = Number(box.value);
+    const low = box.min === '' ? -Infinity : Number(box.min);
+    const high = box.max === '' ? Infinity : Number(box.max);
+    let note = block ? block.querySelector(':scope .dl-clamped') : null;
+    if (!(value < low || value > high)) { if (note) note.remove(); return; }
+    const bound = value < low ? low : high;
+    const label = block && block.querySelector('[data-testid="block-info"]');
+    const name = label ? label.textContent.trim() : 'this field';
+    box.value = String(bound);
+    box.dispatchEvent(new Event('input', {bubbles: true}));
+    if (block && !note) {
+      note = document.createElement('div');
+      note.className = 'dl-clamped';
+      note.setAttribute('role', 'status');
+      block.appendChild(note);
+    }
+    if (note) note.textContent = `${name}: ${value} is ${value < low ? 'below the minimum' : 'above the maximum'} ` +
+      `${bound}; set to ${bound}.`;
+  }, true);
+}
+"""
+PAGE_JS = f"() => {{ ({KEYS_JS.strip()})(); ({CLAMP_JS.strip()})(); }}"
+# Toggle presentation mode, then tell plotly the figures' sizes changed (the zoomed main figure lays out anew).
+PRESENT_JS = """
+() => {
+  document.body.classList.toggle('dl-present');
+  for (const wait of [50, 400]) setTimeout(() => window.dispatchEvent(new Event('resize')), wait);
+}
+"""
 CSS = """
 .dl-token:hover { filter: brightness(0.92); }
 .dl-views > .column { min-width: 0; }
-body.dl-present .dl-hide-present, body.dl-present #run-settings,
-body.dl-present .dl-details { display: none !important; }
+body.dl-present .dl-hide-present, body.dl-present #run-settings, body.dl-present #dl-header,
+body.dl-present .dl-details, body.dl-present #prompt, body.dl-present #chat,
+body.dl-present .tab-wrapper, body.dl-present [role="tablist"] { display: none !important; }
 body.dl-present .gradio-container { max-width: 100% !important; background: #ffffff !important; }
 body.dl-present .dl-tokens { font-size: 30px !important; line-height: 1.55 !important; color: #000000 !important; }
 body.dl-present .dl-token { border: 1px solid #000000; }
 body.dl-present .dl-legend { font-size: 18px !important; color: #000000 !important; }
-body.dl-present .dl-stats, body.dl-present .dl-stats * { font-size: 20px !important; color: #000000 !important; }
+body.dl-present .dl-stats, body.dl-present .dl-stats * { font-size: 18px !important; color: #000000 !important; }
+body.dl-present .dl-stats td, body.dl-present .dl-stats th { padding: 2px 8px !important; }
 body.dl-present .dl-views { flex-wrap: nowrap !important; }
+/* figures drawn at 1.5x: plotly lays them out in the narrower unzoomed width, so 12 px text shows at 18 px */
+body.dl-present [id$="main-plot"] { zoom: 1.5; }
+body.dl-present [id$="main-plot"] [data-testid="block-label"] { display: none !important; }
+/* the controls as one small bar: Run and Stop side by side, the pace without its label, short buttons */
+body.dl-present #run-stop { flex-direction: row !important; flex-wrap: nowrap !important; }
+body.dl-present #run-controls { align-items: center !important; }
+body.dl-present #pace [data-testid="block-info"] { display: none !important; }
+body.dl-present #run-stop button, body.dl-present #run-controls button {
+  min-height: 0 !important; height: 40px !important; padding: 4px 12px !important;
+}
+body.dl-present #present-button { line-height: 1.1 !important; font-size: 13px !important; }
 @media (max-width: 700px) { .dl-views { flex-direction: column !important; } }
 """
+MAX_STAT_ROWS = 16
+# Phone (narrow) layout: the Run tab's prompt, Run and views first and its settings after them; the one-row stats
+# table shown as a two-column list (each header beside its value, by explicit grid placement).
+PHONE_CSS = (
+    "@media (max-width: 700px) {\n"
+    "  #run-settings { order: 2; }\n"
+    "  .dl-stats table { display: grid !important; grid-template-columns: max-content 1fr; overflow: visible; }\n"
+    "  .dl-stats thead, .dl-stats tbody, .dl-stats tr { display: contents; }\n"
+    "  .dl-stats th, .dl-stats td { white-space: normal; text-align: left; }\n"
+    + "".join(
+        f"  .dl-stats th:nth-child({k}) {{ grid-row: {k}; grid-column: 1; }}"
+        f" .dl-stats td:nth-child({k}) {{ grid-row: {k}; grid-column: 2; }}\n"
+        for k in range(1, MAX_STAT_ROWS + 1)
+    )
+    + "}\n"
+)
+CSS += PHONE_CSS
 
 
 def build_views(prefix: str, details_open: bool = True) -> dict:

@@ -14,10 +14,9 @@ from ui.common import (
     REPLAY_TICK_S,
     STATE_TTL_S,
     VIEW_COUNT,
-    build_inspector,
     view_updates,
-    wire_inspector,
 )
+from ui.inspector import build_inspector, wire_inspector
 from ui.layout import PRESENT_JS, build_views, step_buttons, view_list
 from visualizers import display_token
 
@@ -45,8 +44,9 @@ def branch_note(trace: Trace) -> str:
 
 
 def frame_outputs(trace: Trace, frame: int) -> list:
-    """Every view at replay position `frame`."""
-    return view_updates(replay.trace_at(trace, frame))
+    """Every view at replay position `frame` (the stats say how far the replay is until its end)."""
+    shown = replay.trace_at(trace, frame)
+    return view_updates(shown, replay.position_status(trace, shown))
 
 
 def loaded_outputs(trace: Trace, source: str) -> list:
@@ -128,7 +128,7 @@ def build_replay_tab() -> dict:
     status = gr.Markdown("Load a trace to replay it step by step.", elem_id="replay-status")
     with gr.Row():
         play = gr.Button("▶ Play", elem_id="replay-play", scale=0, min_width=90)
-        pause = gr.Button("⏸ Pause", elem_id="replay-pause", scale=0, min_width=90)
+        pause = gr.Button("Pause", elem_id="replay-pause", scale=0, min_width=90)  # no ⏸: many fonts lack it
         back, nxt = step_buttons("replay-")
         slider = gr.Slider(0, 1, value=0, step=1, label="step", elem_id="replay-slider")
         present = gr.Button("Presentation mode", elem_id="replay-present-button", scale=0, min_width=170)
@@ -141,7 +141,9 @@ def build_replay_tab() -> dict:
     upload.upload(on_upload, [upload], loaded, **LIGHT)
     example.input(on_example, [example], loaded, **LIGHT)
     open_run.click(on_history, [records_state, records], loaded, **LIGHT)
-    slider.release(on_seek, [state, slider], view_list(views), **LIGHT)
+    # a drag (on release) and a number typed into the slider's box both move the views
+    seek = {**LIGHT, "trigger_mode": "always_last"}
+    gr.on([slider.release, slider.input], on_seek, [state, slider], view_list(views), **seek)
     steps = {**LIGHT, "concurrency_id": "replay-step", "concurrency_limit": 1}  # presses in order
     back.click(lambda v, f: on_step(v, f, -1), [state, slider], [slider, *view_list(views)], **steps)
     nxt.click(lambda v, f: on_step(v, f, 1), [state, slider], [slider, *view_list(views)], **steps)

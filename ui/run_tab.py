@@ -13,7 +13,7 @@ import gradio as gr
 from lab.app import replay
 from lab.app.builtin_prompts import BUILTIN_PROMPTS
 from lab.app.controls import dependencies, visibility
-from lab.app.pacing import PACES, REALTIME
+from lab.app.pacing import PACES, REALTIME, STEP
 from lab.app.presets import DEFAULTS, preset_values, presets_for
 from lab.app.runner import new_trace
 from lab.engine.models import EMBEDDED_MODEL
@@ -29,20 +29,23 @@ from ui.common import (
     MODEL_CHOICES,
     RUN_QUEUE,
     STATE_TTL_S,
-    build_inspector,
     checked_request,
-    empty_figure,
     render,
     session_pace,
+    speed_stats,
     start_pacing,
     stats_markdown,
     strategy_choices,
     strategy_info,
     stream_trace,
     view_updates,
-    wire_inspector,
 )
+from ui.inspector import build_inspector, wire_inspector
 from ui.layout import MAX_FIGURES, PRESENT_JS, build_views, step_buttons, view_list
+from visualizers import empty_figure
+
+DEFAULT_PROMPT = "Describe a rainy morning in a busy city in three sentences."
+EXAMPLES_PER_PAGE = 4
 
 
 def stream_outputs(
@@ -67,7 +70,14 @@ def stream_outputs(
         update = render(shown, final, status, full)
         if final:
             update[-1]["request"] = request
+            update[2] = stats_markdown(shown, status, *speed_stats(shown, request))
         yield update
+
+
+def refusal(message: str) -> list:
+    """The Run tab's update for a run that could not start or failed: the message (which names the field) where the
+    stats go; the other views keep what they showed."""
+    return [gr.skip(), gr.skip(), f"**Cannot run:** {message}", *[gr.skip()] * (3 + MAX_FIGURES)]
 
 
 def parse_params_json(params_json: str | None) -> dict:
@@ -222,12 +232,30 @@ def build_run_tab() -> dict:
         with gr.Column(scale=4, min_width=320):
             with gr.Row(equal_height=False):
                 ui["prompt"] = gr.Textbox(
-                    label="Prompt", lines=2, placeholder="Ask the model something…", elem_id="prompt", scale=5
+                    DEFAULT_PROMPT,
+                    label="Prompt",
+                    lines=2,
+                    placeholder="Ask the model something…",
+                    elem_id="prompt",
+                    scale=5,
                 )
-                with gr.Column(scale=1, min_width=150):
+                with gr.Column(scale=1, min_width=150, elem_id="run-stop"):
                     run = gr.Button("Run", variant="primary", elem_id="run-button")
                     stop = gr.Button("Stop", variant="stop", elem_id="stop-button")
-            with gr.Row(equal_height=True):
+            # closed, so the token view and the figure stay on a 1280 x 720 screen while a run streams
+            with gr.Accordion(
+                "Example prompts (open to pick one)",
+                open=False,
+                elem_classes=["dl-hide-present"],
+                elem_id="example-prompts",
+            ):
+                gr.Examples(
+                    [[p.text] for p in BUILTIN_PROMPTS],
+                    inputs=[ui["prompt"]],
+                    label="Example prompts (click one)",
+                    examples_per_page=EXAMPLES_PER_PAGE,
+                )
+            with gr.Row(equal_height=True, elem_id="run-controls"):
                 ui["chat"] = gr.Checkbox(value=True, label="chat template", elem_id="chat", scale=0, min_width=140)
                 ui["pace"] = gr.Radio(list(PACES), value=REALTIME, label="Pace", elem_id="pace", scale=3)
                 ui["back"], ui["next"] = step_buttons("")
@@ -238,8 +266,6 @@ def build_run_tab() -> dict:
             with gr.Row(elem_classes=["dl-hide-present"]):
                 trace_file = gr.File(label="Trace (JSON)", interactive=False, elem_id="trace-file")
             trace_json = gr.Textbox(visible=False)
-            with gr.Group(elem_classes=["dl-hide-present"]):
-                gr.Examples([[p.text] for p in BUILTIN_PROMPTS], inputs=[ui["prompt"]], label="Example prompts")
             api_inputs, api_trigger = build_api_inputs()
     ui["state"] = gr.State(None, time_to_live=STATE_TTL_S)
     wire_settings(ui)
@@ -256,6 +282,8 @@ def build_run_tab() -> dict:
             yield from stream_outputs(
                 strategy_, prompt_, params, chat_, seed_, model_, device_, dtype_, precision_, control
             )
+        except gr.Error as error:  # shown once, in the stats' place (no toast, no Error badge on every view)
+            yield refusal(str(error.message))
         finally:
             control.live = False
 
@@ -273,19 +301,43 @@ def build_run_tab() -> dict:
     wire_inspector(inspector, ui["state"], [(views["tokens"], lambda state: state["trace"] if state else None)])
     wire_branch_panel(branch, ui["state"], views["tokens"], ui["pace"])
     ui["branch"] = branch
-    stop.click(None, None, None, cancels=[*ui["events"], branch["event"]])
+    # Stop ends the session's live run (or branch) as a result: its handler sees the request and yields a final,
+    # complete update (cancelling the event instead would leave Gradio's red Error badges on every output)
+    stop.click(stop_session, None, None, **LIGHT)
     return ui
 
 
+def stop_session(request: gr.Request) -> None:
+    """Stop: the session's live run ends with what it has shown so far (`ui.common.stream_trace`)."""
+    session_pace(request).request_stop()
+
+
+def ended_status(state: dict) -> str:
+    """What the stats say at the end of a finished run being stepped: a stop by the viewer or the time limit; ""
+    otherwise (the stats then read the run's own stop reason)."""
+    status = state.get("status", "")
+    return status if status.startswith("stopped") else ""
+
+
 def wire_stepping(ui: dict, views: dict) -> None:
-    """The pace radio reaches a live run; ◀ / ▶ (and the arrow keys) release a token in step mode while a run
-    streams, and otherwise step through the finished run token by token."""
-
-    def on_pace(request: gr.Request, pace: str):
-        session_pace(request).set_pace(pace)
-
-    ui["pace"].change(on_pace, [ui["pace"]], None, **LIGHT)
+    """The pace radio reaches a live run (after a run, leaving step mode shows the whole run); ◀ / ▶ (and the
+    arrow keys) release a token in step mode while a run streams, and otherwise step through the finished run
+    token by token; the stats say which token is shown."""
     outputs = [*view_list(views), ui["state"]]
+
+    def show(state: dict, position: int) -> list:
+        shown = replay.trace_at_token(state["trace"], position)
+        status = replay.position_status(state["trace"], shown, ended_status(state))
+        return [*view_updates(shown, status), {**state, "position": position}]
+
+    def on_pace(request: gr.Request, state: dict | None, pace: str):
+        control = session_pace(request)
+        control.set_pace(pace)
+        if getattr(control, "live", False) or not state or pace == STEP:
+            return [gr.skip()] * len(outputs)
+        return show(state, replay.token_count(state["trace"]))
+
+    ui["pace"].change(on_pace, [ui["state"], ui["pace"]], outputs, **LIGHT)
 
     def step(request: gr.Request, state: dict | None, delta: int):
         control = session_pace(request)
@@ -294,9 +346,7 @@ def wire_stepping(ui: dict, views: dict) -> None:
             return [gr.skip()] * len(outputs)
         if not state:
             return [gr.skip()] * len(outputs)
-        position = max(0, min(state.get("position", 0) + delta, replay.token_count(state["trace"])))
-        shown = replay.trace_at_token(state["trace"], position)
-        return [*view_updates(shown, state.get("status", "")), {**state, "position": position}]
+        return show(state, max(0, min(state.get("position", 0) + delta, replay.token_count(state["trace"]))))
 
     def back(request: gr.Request, state: dict | None):
         return step(request, state, -1)

@@ -19,6 +19,7 @@ from inspect import signature
 import plotly.graph_objects as go
 
 from lab.trace import Event
+from visualizers.fit import fit_figure
 from visualizers.inspect import step_alternatives_figure
 from visualizers.style import STATUS_COLORS, TOKEN_BACKGROUNDS, base_layout, display_token, distinct_labels
 from visualizers.tokens import alternatives_table, token_view_html
@@ -46,12 +47,12 @@ def strategy_view(strategy_name: str) -> StrategyView:
 
 def strategy_figures(strategy_name: str, events: list[Event], width_px: float | None = None) -> list[go.Figure]:
     """Every live figure of a strategy, main view first; `width_px` (the plot width a narrow column gives) goes to
-    the figures that fit their text to it."""
+    the figures that fit their text to it; every figure then goes through `visualizers.fit.fit_figure`."""
     figures = strategy_view(strategy_name).figures
     if width_px is None:
-        return [figure(events) for figure in figures]
+        return [fit_figure(figure(events)) for figure in figures]
     return [
-        figure(events, width_px=width_px) if "width_px" in signature(figure).parameters else figure(events)
+        fit_figure(figure(events, width_px=width_px) if "width_px" in signature(figure).parameters else figure(events))
         for figure in figures
     ]
 

@@ -2,7 +2,7 @@
 
 Covers: `token_view_html` (one <span> per TokenEmitted, background = provenance colour, hover title with the
 top-k alternatives and their probabilities, `data-step` for click-to-inspect, the selected step outlined, a
-legend of the provenance colours present) and `alternatives_table` (rank, token, probability rows of a step).
+legend of the provenance colours present) and `alternatives_table` (rank, token, probability rows of a token).
 All token text is HTML-escaped; styles are inline so the fragment renders the same wherever it is embedded.
 Not covered: click handling (the app's job) and detail events of other kinds (they are ignored here).
 """
@@ -13,6 +13,7 @@ import html
 
 from lab.trace import Event, TokenEmitted
 from visualizers.style import SELECTED_OUTLINE, TEXT_COLOR, display_token, status_color, token_background
+from visualizers.token_detail import ranked
 
 PLACEHOLDER = "No tokens yet."
 PROB_DIGITS = 4
@@ -38,11 +39,12 @@ def _span_text(text: str) -> str:
 
 
 def _hover_title(event: TokenEmitted) -> str:
-    """The span's hover text: step, provenance, the chosen token and the ranked alternatives (unescaped)."""
+    """The span's hover text: step, provenance, the chosen token and the ranked alternatives (unescaped), from
+    `visualizers.token_detail.ranked`, the source the inspector and "Branch from here" read too."""
     lines = [f"step {event.step} · {event.source} · {display_token(event.text, escape=False)!r} (id {event.token_id})"]
-    for rank, (token, prob) in enumerate(zip(event.top_tokens, event.top_probs, strict=False), start=1):
-        mark = " ◀" if rank - 1 < len(event.top_ids) and event.top_ids[rank - 1] == event.token_id else ""
-        lines.append(f"{rank}. {display_token(token, escape=False)!r}  p={prob:.{PROB_DIGITS}f}{mark}")
+    for alt in ranked(event):
+        mark = " ◀" if alt.chosen else ""
+        lines.append(f"{alt.rank}. {display_token(alt.text, escape=False)!r}  p={alt.p:.{PROB_DIGITS}f}{mark}")
     return "\n".join(lines)
 
 
@@ -96,14 +98,10 @@ def token_view_html(
     return f'<div class="dl-token-view">{legend}<div class="dl-tokens" style="{_CONTAINER_STYLE}">{spans}</div></div>'
 
 
-def alternatives_table(events: list[Event], step: int) -> list[list]:
-    """Rows [rank, token, probability] of the alternatives at `step` (the first token emitted at that step when
-    a strategy emits several), tokens shown with visible whitespace and unescaped; [] if the step is unknown."""
-    event = next((e for e in _tokens(events) if e.step == step), None)
-    if event is None:
+def alternatives_table(events: list[Event], index: int) -> list[list]:
+    """Rows [rank, token, probability] of the alternatives of the index-th emitted token (its own distribution,
+    also in a multi-token round), tokens shown with visible whitespace and unescaped; [] if there is no such token."""
+    tokens = _tokens(events)
+    if not 0 <= index < len(tokens):
         return []
-    pairs = zip(event.top_tokens, event.top_probs, strict=False)
-    return [
-        [rank, display_token(token, escape=False), round(prob, PROB_DIGITS)]
-        for rank, (token, prob) in enumerate(pairs, start=1)
-    ]
+    return [[a.rank, display_token(a.text, escape=False), round(a.p, PROB_DIGITS)] for a in ranked(tokens[index])]

@@ -2,7 +2,8 @@
 
 Covered: `token_diff` (difflib's SequenceMatcher over token ids, reported with the token texts as
 equal / insert / delete / replace blocks), `first_divergence` (the first output position where two runs differ)
-and `compare_rows` (one row per run: tokens, tokens/s, acceptance rate, mean accepted length tau,
+and `compare_rows` (one row per run: tokens, tokens/s, speedup against the greedy run among them, acceptance
+rate, mean accepted length tau,
 forwards/token, stop reason, and agreement with the first run). Everything is folded from trace events with
 `lab.trace.summarize`, so strategies that land later are covered without changes here.
 Not covered: semantic similarity of the texts (the diff is exact, token by token).
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from difflib import SequenceMatcher
 
+from lab.app.run_stats import fmt, speed_vs_greedy
 from lab.trace import TokenEmitted, Trace, summarize
 
 MAX_COMPARED = 4
@@ -60,19 +62,23 @@ def agreement(base: Trace, other: Trace) -> float:
 
 
 def compare_rows(traces: list[Trace]) -> list[dict]:
-    """One row per run, in order; the first run is the reference of `same as first` and `agreement`."""
+    """One row per run, in order; the first run is the reference of `same as first` and `agreement`; the speedup
+    is against the greedy run among them ("-" without one), at 2 decimals like acceptance and tau."""
+    greedy = next((t for t in traces if t.strategy == "greedy"), None)
     rows = []
     for trace in traces:
         stats = summarize(trace.events)
         divergence = first_divergence(traces[0], trace)
+        speed = speed_vs_greedy(trace.events, greedy.events) if greedy is not None else None
         rows.append(
             {
                 "strategy": trace.strategy,
                 "tokens": stats.new_tokens,
-                "tokens/s": stats.tokens_per_s,
-                "acceptance": stats.acceptance_rate,
-                "tau": stats.mean_accepted_length,
-                "forwards/token": stats.forwards_per_token,
+                "tokens/s": fmt(stats.tokens_per_s, 1),
+                "speedup vs greedy": None if speed is None else f"{speed.speedup:.2f}x",
+                "acceptance": None if stats.acceptance_rate is None else fmt(stats.acceptance_rate),
+                "tau": None if stats.mean_accepted_length is None else fmt(stats.mean_accepted_length),
+                "forwards/token": fmt(stats.forwards_per_token),
                 "stop": stats.stop_reason,
                 "agreement with first": agreement(traces[0], trace),
                 "first difference at": "-" if divergence is None else divergence,

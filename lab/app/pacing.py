@@ -4,7 +4,7 @@ Covered: `PaceControl` (the pace a viewer picked: real time, N tokens per second
 while a run streams from another request thread, so it is locked), `Pacer.visible(events, now)` (how many of the
 events that arrived so far are shown at time `now`: a prefix that ends after the released tokens, with the detail
 events that follow a token shown with it), and `PaceRegistry` (the controls of live runs by session, so a speed
-change or a Step click reaches the run that is streaming; entries expire). The model keeps running at full speed
+change, a Step click or Stop reaches the run that is streaming; entries expire). The model keeps running at full speed
 into the buffer; only the release is paced. When the model is slower than the pace, tokens are shown as they
 arrive (no catch-up burst). Not covered: pacing of non-token events alone (they ride with the tokens).
 """
@@ -30,6 +30,7 @@ class PaceControl:
     pace: str = REALTIME
     released: int = 0
     live: bool = False  # a run of this session is streaming (Step clicks release its tokens)
+    stop_requested: bool = False  # the viewer pressed Stop: the live run ends as a result (not an error)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def set_pace(self, pace: str) -> None:
@@ -39,6 +40,10 @@ class PaceControl:
     def step(self, by: int = 1) -> None:
         with self.lock:
             self.released = max(0, self.released + by)
+
+    def request_stop(self) -> None:
+        with self.lock:
+            self.stop_requested = True
 
     def snapshot(self) -> tuple[str, int]:
         with self.lock:

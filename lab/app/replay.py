@@ -97,6 +97,15 @@ def trace_at_token(trace: Trace, k: int) -> Trace:
     return dataclasses.replace(trace, events=trace.events[: cuts[k]])
 
 
+def position_status(trace: Trace, shown: Trace, ended: str = "") -> str:
+    """The stats' stop cell of a run shown in part (stepping, replay): "token k of n shown" before its end; at the
+    end `ended` (e.g. "stopped by you"), or "" so the stats read the run's own stop reason."""
+    total, k = token_count(trace), token_count(shown)
+    if k < total or len(shown.events) < len(trace.events):
+        return f"token {k} of {total} shown"
+    return ended
+
+
 def frame_of_step(trace: Trace, step: int) -> int:
     """The first frame at which an event of `step` is visible (the whole trace when no event has that step)."""
     cuts = frame_cuts(trace.events)

@@ -7,7 +7,7 @@ model cache. The generator frees the strategy's caches when it is closed early (
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -15,7 +15,7 @@ from lab.app.branching import BranchPoint, branch_events
 from lab.app.validation import RunRequest, check_prompt_fits
 from lab.engine.defaults import NAMES
 from lab.engine.models import MODEL_CACHE, LoadedModel, load_model
-from lab.trace import Event, Trace
+from lab.trace import Event, RunFinished, TokenEmitted, Trace, summarize
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -76,3 +76,19 @@ def run_to_trace(request: RunRequest) -> Trace:
     trace = new_trace(request, loaded)
     trace.events.extend(stream_run(request, loaded, prompt_ids))
     return trace
+
+
+STOPPED_BY_USER = "cancelled"  # RunFinished.stop_reason of a run the viewer stopped (lab.trace)
+
+
+def stopped_trace(trace: Trace) -> Trace:
+    """A copy of a run the viewer stopped, closed with a RunFinished(stop_reason="cancelled") so that every view,
+    Replay and a download read it as a finished (partial) run. prompt_tokens is 0: the lane does not report the
+    prompt's length to the viewer; wall time and target forwards are those of the last event that arrived."""
+    if any(isinstance(e, RunFinished) for e in trace.events):
+        return trace
+    stats = summarize(trace.events)
+    tokens = [e for e in trace.events if isinstance(e, TokenEmitted)]
+    step = tokens[-1].step + 1 if tokens else 0
+    finish = RunFinished(step, STOPPED_BY_USER, stats.wall_s, 0, stats.target_forwards)
+    return replace(trace, events=[*trace.events, finish])

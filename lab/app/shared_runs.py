@@ -171,6 +171,14 @@ class RunHub:
                 self._active.pop(job.key, None)
             self._cond.notify_all()
 
+    def recent(self, wanted: Callable[[str], bool]) -> list[Event] | None:
+        """The events of the most recently finished run whose key satisfies `wanted` (None when there is none)."""
+        with self._cond:
+            for key in reversed(self._finished):
+                if wanted(key):
+                    return list(self._finished[key].events)
+        return None
+
     def status(self) -> dict:
         with self._cond:
             return {

@@ -2,12 +2,19 @@
 speculative decoding opened in Replay (no model loaded), their main figure drawn by plotly.js, and the drawn SVG
 text box of every point label compared with every other (the side-by-side layout at 1400 x 1000 and at 1280 x 720,
 and the inspector's full-width tree). A figure that draws too few labels fails too (hiding all of them is no fix).
+Also: a click on a token of a multi-token round inspects that token, and brings the inspector on screen; and in
+every strategy's example, no figure text is cut by its figure and no title or legend covers other text.
 """
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from lab.app import replay
+from lab.trace import TokenEmitted, from_json
+from tests.appserver import ROOT
 from tests.e2e import ui
 
 pytestmark = [pytest.mark.e2e]
@@ -71,3 +78,78 @@ def test_the_inspectors_full_width_tree_has_no_overlapping_labels(page):
     page.wait_for_timeout(500)
     boxes = ui.label_boxes(page, "replay-inspect-plot")
     assert not overlaps(boxes), overlaps(boxes)[:5]
+
+
+def test_clicking_a_token_of_a_round_inspects_that_token_and_scrolls_to_it(page, screenshot):
+    """In a multi-token EAGLE round the inspector shows the clicked token's own p (the tooltip's and the Branch
+    list's numbers), not the round's first token's; after the click the inspector is on screen."""
+    page.set_viewport_size({"width": 1280, "height": 720})
+    open_example(page, "eagle")
+    trace = from_json((ROOT / "examples" / "traces" / "eagle.json").read_text(encoding="utf-8"))
+    tokens = [e for e in trace.events if isinstance(e, TokenEmitted)]
+    index = next(i for i in range(1, len(tokens)) if tokens[i].step == tokens[i - 1].step)  # 2nd of a round
+    expected, first = tokens[index].top_probs, tokens[index - 1].top_probs
+    assert [round(p, 4) for p in expected] != [round(p, 4) for p in first]
+    page.evaluate("window.scrollTo(0, 0)")
+    page.locator("#replay-token-view span.dl-token").nth(index).click()
+
+    def table_probs():
+        rows = ui.table_rows(page, "replay-alternatives")
+        return [float(row[2]) for row in rows if len(row) > 2 and re.fullmatch(r"[0-9.e-]+", row[2])]
+
+    wanted = [round(p, 4) for p in expected]
+    try:
+        ui.wait_until(lambda: table_probs() == wanted, "the clicked token's alternatives", 30, page)
+    except AssertionError:
+        raise AssertionError(f"the table shows {table_probs()}, the token's p are {wanted}") from None
+    plot = "replay-inspect-token-plot"
+    title = ui.wait_until(lambda: (ui.plot_data(page, plot) or {}).get("title"), "the token's figure", 30, page)
+    assert title.startswith(f"Token {index + 1} ")
+    tooltip = page.locator("#replay-token-view span.dl-token").nth(index).get_attribute("title")
+    assert f"p={expected[0]:.4f}" in tooltip
+    page.wait_for_timeout(800)  # the smooth scroll
+    top = ui.box(page, "#replay-inspect-accordion")["y"]
+    assert -2 <= top < 720 - 200, f"the inspector is not on screen after the click (top at {top} px)"
+    screenshot(page, "inspector-1280x720")
+
+
+PLOTS = ["replay-main-plot"] + [f"replay-detail-plot-{i}" for i in range(1, 6)]
+# text kinds that must never be cut by their figure nor drawn over other text: titles, axis titles, legend items
+FRAMED = ("g-gtitle", "g-xtitle", "g-ytitle", "traces", "legend")
+
+
+def clipped_and_covering(drawn: dict) -> list[str]:
+    """Texts cut by the figure's frame (a plotly Table's cells scroll, so they are left out), and titles or legend
+    items drawn over any other text. Tick labels crowding each other inside one dense categorical axis are not
+    counted (not fixed yet)."""
+    frame, texts = drawn["frame"], drawn["texts"]
+    problems = []
+    for t in texts:
+        outside = t["l"] < frame["l"] - TOLERANCE_PX or t["r"] > frame["r"] + TOLERANCE_PX
+        outside = outside or t["t"] < frame["t"] - TOLERANCE_PX or t["b"] > frame["b"] + TOLERANCE_PX
+        if outside and "cell-text" not in t["cls"]:
+            problems.append(f"cut: {t['text'][:40]!r} ({t['cls']})")
+    framed = [t for t in texts if any(k in t["cls"] for k in FRAMED) and "textpoint" not in t["cls"]]
+    for a in framed:
+        for b in texts:
+            if a is not b and overlaps([a, b]) and not (b in framed and id(b) < id(a)):
+                problems.append(f"over: {a['text'][:30]!r} ({a['cls']}) / {b['text'][:30]!r} ({b['cls']})")
+    return problems
+
+
+def test_no_figure_text_is_cut_and_no_title_or_legend_covers_text(page):
+    """Every strategy's shipped example in Replay at 1400 x 1000: in every drawn figure (main and details), measured
+    from the SVG, no text box lies outside its figure and no title, axis title or legend item overlaps other text."""
+    page.set_viewport_size({"width": 1400, "height": 1000})
+    found, status = [], page.locator("#replay-status")
+    for name, _path in replay.example_traces():
+        ui.tab(page, "Replay")
+        ui.choose(page, "replay-example", name)
+        ui.wait_until(lambda name=name: f"strategy {name}," in status.inner_text(), name, 30, page)
+        ui.wait_until(lambda: ui.text_boxes(page, "replay-main-plot"), f"{name}'s figure", 60, page)
+        page.wait_for_timeout(1500)  # let plotly finish every layout
+        for plot in PLOTS:
+            drawn = ui.text_boxes(page, plot)
+            if drawn and page.locator(f"#{plot}").is_visible():
+                found += [f"{name} {plot}: {p}" for p in clipped_and_covering(drawn)]
+    assert not found, "\n".join(found[:30])

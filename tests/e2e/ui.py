@@ -63,6 +63,34 @@ _LABEL_BOXES_JS = """
 """
 
 
+_TEXT_BOXES_JS = """
+(id) => {
+  const gd = document.querySelector('#' + id + ' .js-plotly-plot');
+  if (!gd) return null;
+  const svg = gd.querySelector('svg.main-svg');
+  if (!svg) return null;
+  const frame = svg.getBoundingClientRect();
+  const texts = Array.from(gd.querySelectorAll('svg text'))
+    .filter((t) => t.textContent.trim() !== '' && t.getAttribute('display') !== 'none'
+                   && getComputedStyle(t).visibility !== 'hidden' && Number(getComputedStyle(t).opacity) > 0)
+    .map((t) => {
+      const r = t.getBoundingClientRect();
+      const group = t.closest('g[class]');
+      return {text: t.textContent, cls: group ? group.getAttribute('class') : '', l: r.left, t: r.top, r: r.right,
+              b: r.bottom};
+    })
+    .filter((b) => b.r - b.l > 0 && b.b - b.t > 0);
+  return {frame: {l: frame.left, t: frame.top, r: frame.right, b: frame.bottom}, texts};
+}
+"""
+
+
+def text_boxes(page: Page, elem_id: str) -> dict | None:
+    """The drawn frame of the plotly figure in `#elem_id` and the client boxes of every visible text in it (titles,
+    ticks, legend, annotations, point labels), or None when no figure is drawn."""
+    return page.evaluate(_TEXT_BOXES_JS, elem_id)
+
+
 def label_boxes(page: Page, elem_id: str) -> list[dict]:
     """The drawn (client) boxes of every non-empty point label of the plotly figure in `#elem_id`."""
     return page.evaluate(_LABEL_BOXES_JS, elem_id)
