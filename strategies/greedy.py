@@ -1,6 +1,6 @@
 """Greedy decoding: argmax of the (optionally repetition-penalized) next-token logits at every step.
 
-The baseline every lossless method is checked against; the loop is `strategies.sample.decode_loop` at T = 0.
+The baseline every lossless method is checked against; the loop is `lab.engine.autoregressive.decode_loop` at T = 0.
 """
 
 from __future__ import annotations
