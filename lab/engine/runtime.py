@@ -4,7 +4,7 @@ Covered: prefill, one decode step, a multi-token verify step (a chain), a tree v
 `lab.engine.tree_attention`), per-layer hidden states, early-exit logits `lm_head(h_l)` (optionally through the final
 norm), and KV rollback: `crop(n)` for chains, `select(positions)` to keep an accepted tree path.
 Each call that runs the model counts one forward in `DecodeState.forwards` (the "target forwards" statistic).
-Every forward runs through `model_forward`: Llama-architecture
+Every forward runs through `model_forward`, on the path `lab.engine.forward_path` fixed for the run: Llama-architecture
 models through `lab.engine.lean_forward` (the same numbers as `model(...)`, less per-module overhead; on a CPU the
 decode steps' and verify forwards' layers as one C++ call, `lab.engine.native_forward`), other models through
 `model(...)`.
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from lab.engine import forward_path
 from lab.engine.lean_forward import lean_forward
 from lab.engine.models import LoadedModel
 from lab.engine.profile import section
@@ -69,12 +70,13 @@ def model_forward(
 
     Every forward of the lab goes through here (the strategies through `forward` below, batched callers such as
     CFG's two branches, Tree of Thoughts' sampled rows and the distillation batches directly), so each takes the
-    model's forward path. `lm_head=False` skips the LM head (DoLa applies it
+    run's forward path (`lab.engine.forward_path.current`). `lm_head=False` skips the LM head (DoLa applies it
     itself) and implies hidden states."""
     hidden_states = hidden_states or not lm_head
     options = {"attention_mask": attention_mask, "position_ids": position_ids, "output_hidden_states": hidden_states}
-    if loaded.lean:  # transformers' arithmetic without its per-module dispatch (lab.engine.lean_forward)
-        options |= {"logits_to_keep": logits_to_keep, "lm_head": lm_head}
+    path = forward_path.current(loaded)  # fixed for the run (lab.engine.forward_path)
+    if path.lean:  # transformers' arithmetic without its per-module dispatch (lab.engine.lean_forward)
+        options |= {"logits_to_keep": logits_to_keep, "lm_head": lm_head, "native": path.native}
         return lean_forward(loaded.model, input_ids, cache, **options)
     if not lm_head:
         out = loaded.model.get_decoder()(input_ids=input_ids, cache=cache, use_cache=True, **options)

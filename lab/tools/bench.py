@@ -15,8 +15,9 @@ is benched (else transformers' defaults: 10 tokens and n-gram 2, or 20 assistant
 forwards/token count every call of the target module (draft calls too when the assistant is the target). Per row:
 median tokens/s (new tokens / wall time of one run, prefill included), speedup against the first strategy's median,
 mean new tokens, forwards per token and the mean of every other numeric field of `lab.trace.Stats` (plus SSD's
-`lab.trace.speculation_stats`: cache hit rate, branches per round). Both paths stop at the same EOS ids, and a
-strategy's stop reasons are noted. `--profile` adds one more, untimed pass of every strategy with `lab.engine.profile`'s
+`lab.trace.speculation_stats`: cache hit rate, branches per round), and the forward path its runs took
+(`lab.engine.forward_path`, fixed per run). Both paths stop at the same EOS ids, and a strategy's stop reasons are
+noted. `--profile` adds one more, untimed pass of every strategy with `lab.engine.profile`'s
 module timer: the share of wall time in target forwards, drafting, acceptance, KV compaction and the rest, and the
 cost of a target forward at the positions it scored.
 Not covered: asserting speeds (tests never do), batching, memory use, sampling in the reference rows.
@@ -37,7 +38,7 @@ import torch
 from lab.app.builtin_prompts import load_prompts
 from lab.app.runner import prepare, stream_run
 from lab.app.validation import RunRequest, validate_request
-from lab.engine import native_forward
+from lab.engine import forward_path, native_forward
 from lab.engine.models import EMBEDDED_MODEL, LoadedModel
 from lab.engine.profile import ProfileRow, format_profile, module_timer, profile_row
 from lab.params import InputError
@@ -54,6 +55,8 @@ from lab.trace import Stats, TokenEmitted, speculation_stats, summarize
 
 MAX_REPEAT = 100
 WARMUP_TOKENS = 16
+# the reference rows run outside the lab's runtime: transformers' generate calls model(...)
+REFERENCE_PATHS = {HF_ROW: "model", HF_ASSIST_ROW: "model", LLAMA_CPP_ROW: "llama.cpp"}
 COLUMNS = ("strategy", "median tok/s", "speedup vs first", "tokens", "forwards/token", "notes")
 
 Progress = Callable[[int, int, str], None]
@@ -73,6 +76,7 @@ class BenchRow:
     metrics: dict[str, float] = field(default_factory=dict)  # mean of every numeric Stats field
     notes: str = ""
     precision: str = ""  # weight format of the model the row ran on ("" for llama.cpp: the GGUF as stored)
+    forward_path: str = ""  # lab.engine.forward_path of the row's runs ("a/b" if they differed; see REFERENCE_PATHS)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -102,12 +106,13 @@ def _numeric_stats(stats: Stats) -> dict[str, float]:
 
 def time_strategy(request: RunRequest, loaded: LoadedModel, prompt_ids: list[int]) -> RunSample:
     """Run one strategy to the end; tokens/s = new_tokens / wall_s as folded by `summarize`."""
-    events = list(stream_run(request, loaded, prompt_ids))
+    path = forward_path.choose(loaded)  # fixed for the run, recorded in the row
+    events = list(stream_run(request, loaded, prompt_ids, path))
     stats = summarize(events)
     rate = stats.new_tokens / stats.wall_s if stats.wall_s > 0 else 0.0
     metrics = {**_numeric_stats(stats), **speculation_stats(events)}  # SSD: cache hit rate, branches per round
     tokens = tuple(e.token_id for e in events if isinstance(e, TokenEmitted))
-    return RunSample(rate, stats.new_tokens, metrics, stats.stop_reason, tokens)
+    return RunSample(rate, stats.new_tokens, metrics, stats.stop_reason, tokens, path.name)
 
 
 def parse_param_overrides(items: list[str]) -> dict[str, dict[str, str]]:
@@ -340,6 +345,8 @@ def run_bench(
         rows.append(_aggregate(name, runs, reference, notes.get(name, "")))
         own = requests[name][0].precision if name in requests else loaded.precision
         rows[-1].precision = "" if name == LLAMA_CPP_ROW else own
+        paths = "/".join(sorted({run.forward_path for run in runs if run.forward_path}))
+        rows[-1].forward_path = paths or REFERENCE_PATHS.get(name, "")
     settings = {"strategies": list(requests), "max_new_tokens": max_new_tokens, "repeat": repeat, "seed": seed}
     extra = {"params": params or {}, "hf_assist": hf_assist, "llama_cpp": llama_cpp, "native_layers": native}
     config = _config(loaded, prompts, len(texts), **settings, limit=limit, hf=hf, **extra)
@@ -357,7 +364,8 @@ def format_table(result: BenchResult) -> str:
     )
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
     for row in result.rows:
-        notes = "; ".join(part for part in (row.notes, _extra_metrics_note(row)) if part)
+        path = f"path {row.forward_path}" if row.forward_path else ""
+        notes = "; ".join(part for part in (row.notes, _extra_metrics_note(row), path) if part)
         cells = (
             row.name,
             f"{row.median_tokens_per_s:.2f}",

@@ -45,6 +45,7 @@ class RunSample:
     metrics: dict[str, float]
     stop_reason: str
     token_ids: tuple[int, ...] = ()
+    forward_path: str = ""  # the path the run's forwards took (lab.engine.forward_path; "" for the reference rows)
 
 
 def _synchronize(device: torch.device) -> None:
