@@ -58,13 +58,13 @@ def stream_request(request: RunRequest, point: BranchPoint | None = None) -> Ite
     yield from forward_path.pinned(events, {id(loaded.model): forward_path.choose(loaded)})
 
 
-def new_trace(request: RunRequest, loaded: LoadedModel | None = None) -> Trace:
+def new_trace(request: RunRequest, loaded: LoadedModel | None = None, path: ForwardPath | None = None) -> Trace:
     """An empty trace describing the request (with the resolved dtype and precision and the target's forward path
-    for the run, decided now, once the model is loaded); events are appended as they stream."""
+    for the run, `path` or decided now, once the model is loaded); events are appended as they stream."""
     trace = Trace(request.strategy.name, request.model, request.prompt, asdict(request.params))
     if loaded is not None:
         trace.dtype, trace.precision = str(loaded.dtype).removeprefix("torch."), loaded.precision
-        trace.forward_path = forward_path.choose(loaded).as_dict()
+        trace.forward_path = (path or forward_path.choose(loaded)).as_dict()
     return trace
 
 

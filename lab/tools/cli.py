@@ -194,13 +194,15 @@ def run_request_from_args(args: argparse.Namespace) -> Any:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run one strategy: stream the text (or print JSON), stats on stderr, optionally write the trace."""
-    from lab.app.runner import new_trace, path_of, prepare, stream_run
+    from lab.app.runner import new_trace, prepare, stream_run
+    from lab.engine.forward_path import choose
     from lab.trace import TokenEmitted, summarize, to_json
 
     request = run_request_from_args(args)
     loaded, prompt_ids = prepare(request)
-    trace = new_trace(request, loaded)
-    with closing(stream_run(request, loaded, prompt_ids, path_of(trace))) as events:
+    path = choose(loaded, wait=True)  # a one-off process: load (or build) the op where it applies, as the bench does
+    trace = new_trace(request, loaded, path)
+    with closing(stream_run(request, loaded, prompt_ids, path)) as events:
         for event in events:
             trace.events.append(event)
             if not args.json and isinstance(event, TokenEmitted) and event.text:
