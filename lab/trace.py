@@ -570,6 +570,9 @@ class Trace:
     choice: str = ""  # how dtype and precision were chosen, and why ("" when not recorded)
     # where this run branched from another (lab.app.branching.branch_record); None for a run from the prompt
     branch: dict | None = None
+    # the target's forward path for the whole run (lab.engine.forward_path: name, reason, row_invariant); None when
+    # not recorded (older traces, runs whose model loads elsewhere)
+    forward_path: dict | None = None
 
     @property
     def text(self) -> str:
@@ -598,6 +601,8 @@ def to_json(trace: Trace) -> str:
     payload |= {key: value for key in ("dtype", "precision", "choice") if (value := getattr(trace, key))}
     if trace.branch is not None:  # optional: traces without it (all older ones) load as before
         payload["branch"] = trace.branch
+    if trace.forward_path is not None:  # optional too
+        payload["forward_path"] = trace.forward_path
     return json.dumps(payload, ensure_ascii=False, allow_nan=False)
 
 
@@ -700,8 +705,12 @@ def from_json(text: str | bytes) -> Trace:
     branch = payload.get("branch")
     if branch is not None and not isinstance(branch, dict):
         raise TraceError("field 'branch' must be an object")
+    path = payload.get("forward_path")
+    if path is not None and not (isinstance(path, dict) and isinstance(path.get("name"), str)):
+        raise TraceError("field 'forward_path' must be an object with a string 'name'")
     events = [event_from_dict(item, i) for i, item in enumerate(payload["events"])]
     trace = Trace(payload["strategy"], payload["model"], payload["prompt"], payload["params"], events, branch=branch)
+    trace.forward_path = path
     trace.dtype, trace.precision = payload.get("dtype", ""), payload.get("precision", "")
     trace.choice = payload.get("choice", "")
     return trace

@@ -38,21 +38,20 @@ batch), guidance from a different model than the one decoding, per-step gamma sc
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-from lab.engine.autoregressive import top_alternatives
+from lab.engine import runtime
+from lab.engine.autoregressive import Forwards, Hook, Pick, decode, top_alternatives
 from lab.engine.models import LoadedModel
 from lab.engine.runtime import DecodeState
 from lab.engine.sampling import SamplingConfig, choose_token, process_logits
-from lab.engine.text import IncrementalDetokenizer
 from lab.params import DecodeParams, InputError, param
 from lab.registry import Strategy
-from lab.trace import Event, GuidanceStep, RunFinished, TokenEmitted
+from lab.trace import Event, GuidanceStep
 
 UNCONDITIONAL_CHOICES = ("last-token", "user-message", "empty", "negative-prompt")
 EVENT_TOP_K = 8  # the event keeps the union of the top-8 of cond, uncond and guided
@@ -161,21 +160,19 @@ class Branches:
     mask: torch.Tensor  # [2, T_past] 1 = real token, 0 = left padding
     next_positions: torch.Tensor  # [2, 1] position id of each row's next token
 
+    @property
+    def forwards(self) -> int:
+        return self.state.forwards
 
-@torch.inference_mode()
+    @property
+    def cache(self) -> DynamicCache:
+        return self.state.cache
+
+
 def _forward(branches: Branches, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """One batched forward of [2, T] new ids after the cached past; returns float32 last-position logits [2, V]."""
-    loaded = branches.state.loaded
-    out = loaded.model(
-        input_ids=input_ids,
-        attention_mask=branches.mask,  # [2, T_past + T], already extended by the caller
-        position_ids=position_ids,
-        cache=branches.state.cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    branches.state.forwards += 1
-    return out.logits[:, -1].float()  # [2, V]
+    # the mask is [2, T_past + T], already extended by the caller
+    return runtime.forward_rows(branches.state, input_ids, branches.mask, position_ids)
 
 
 def prefill_branches(loaded: LoadedModel, cond_ids: list[int], uncond_ids: list[int]) -> tuple[Branches, torch.Tensor]:
@@ -241,38 +238,33 @@ def guidance_event(step: int, gamma: float, token_id: int, logprobs: torch.Tenso
 # --- the decode loop ---------------------------------------------------------------------------------------------
 
 
+def cfg_hook(loaded: LoadedModel, params: CFGParams, generator: torch.Generator) -> Hook:
+    """One step of `lab.engine.autoregressive`'s loop from both branches' logits [2, V]: guidance, the lab's
+    processors, the choice, then the GuidanceStep event (before the token's TokenEmitted)."""
+    config = SamplingConfig(params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty)
+
+    def hook(step: int, logits: torch.Tensor, history: list[int]) -> Pick:
+        cond, uncond = torch.log_softmax(logits, dim=-1)  # 1. full log-softmax per branch, [V] each
+        scores = guided_scores(cond, uncond, params.gamma)  # 2. Eq. 7, [V]
+        processed = process_logits(scores, config, history)  # 3. HF order after CFG
+        token = choose_token(processed, config, generator)  # 4. argmax or seeded draw
+        guided = torch.log_softmax(scores, dim=-1)  # [V] log P_hat, normalized
+        event = guidance_event(step, params.gamma, token, torch.stack([cond, uncond, guided]), loaded)  # 5.
+        return Pick(token, *top_alternatives(processed), before=(event,))
+
+    return hook
+
+
 def decode_loop(
     loaded: LoadedModel, prompt_ids: list[int], uncond_ids: list[int], params: CFGParams, generator: torch.Generator
 ) -> Iterator[Event]:
     """CFG decoding: one batched (cond, uncond) forward per token, streaming GuidanceStep + TokenEmitted."""
-    start = time.perf_counter()
-    config = SamplingConfig(params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty)
-    branches, logits = prefill_branches(loaded, prompt_ids, uncond_ids)
-    detokenizer = IncrementalDetokenizer(loaded.tokenizer)
-    generated: list[int] = []
-    stop_reason = "max_new_tokens"
-    try:
-        for step in range(params.max_new_tokens):
-            cond, uncond = torch.log_softmax(logits, dim=-1)  # 1. full log-softmax per branch, [V] each
-            scores = guided_scores(cond, uncond, params.gamma)  # 2. Eq. 7, [V]
-            processed = process_logits(scores, config, prompt_ids + generated)  # 3. HF order after CFG
-            token = choose_token(processed, config, generator)  # 4. argmax or seeded draw
-            generated.append(token)
-            guided = torch.log_softmax(scores, dim=-1)  # [V] log P_hat, normalized
-            yield guidance_event(step, params.gamma, token, torch.stack([cond, uncond, guided]), loaded)  # 5.
-            top_ids, top_tokens, top_probs = top_alternatives(processed, loaded)
-            is_eos, is_last = token in loaded.eos_token_ids, step + 1 == params.max_new_tokens
-            text = detokenizer.push(token) + (detokenizer.flush() if is_eos or is_last else "")
-            yield TokenEmitted(step, token, text, "target", time.perf_counter() - start, top_ids, top_tokens, top_probs)
-            if is_eos:  # 6. stop at EOS or the budget
-                stop_reason = "eos"
-                break
-            if not is_last:
-                logits = step_branches(branches, token)  # 7. both rows advance in one forward, [2, V]
-        forwards = branches.state.forwards
-        yield RunFinished(len(generated), stop_reason, time.perf_counter() - start, len(prompt_ids), forwards)
-    finally:
-        branches.state.cache.reset()
+
+    def prefill(loaded: LoadedModel, cond_ids: list[int]) -> tuple[Branches, torch.Tensor]:
+        return prefill_branches(loaded, cond_ids, uncond_ids)
+
+    forwards = Forwards(prefill, step_branches)  # both rows advance in one forward, [2, V]
+    return decode(loaded, prompt_ids, cfg_hook(loaded, params, generator), params.max_new_tokens, forwards=forwards)
 
 
 def run(loaded: LoadedModel, prompt_ids: list[int], params: CFGParams, generator: torch.Generator) -> Iterator[Event]:

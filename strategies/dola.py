@@ -20,10 +20,10 @@ the final logits are lm_head(h_N) (hidden_states[N] is already through the final
 are lm_head(h_j) WITHOUT the final norm, the repetition penalty acts on the contrast logits, EOS ends the run
 (the EOS token is emitted).
 Deliberate differences from the reference:
-- the forward runs the decoder without its LM head (`forward_hidden`), and the final logits and every early
-  exit come from ONE batched lm_head matmul over the stacked hidden states [1 + R, H] (the reference calls
-  lm_head once for the final layer and once per candidate): the head's weights are read once per token. The
-  results agree to float rounding (the golden test holds);
+- the forward runs the decoder without its LM head (`lab.engine.runtime.forward_hidden`), and the final logits
+  and every early exit come from ONE batched lm_head matmul over the stacked hidden states [1 + R, H] (the
+  reference calls lm_head once for the final layer and once per candidate): the head's weights are read once
+  per token. The results agree to float rounding (the golden test holds);
 - early-exit logits are upcast to float32 before the softmaxes (the reference keeps the model dtype for them;
   identical in fp32);
 - `apply_final_norm=True` (off by default) exits through the final norm, lm_head(norm(h_j)), as a logit lens
@@ -39,7 +39,6 @@ Not covered: static premature layers (the paper's DoLa-static), batching several
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -47,12 +46,12 @@ import torch
 import torch.nn.functional as F
 
 from lab.engine import runtime
+from lab.engine.autoregressive import Forwards, Hook, Pick, decode
 from lab.engine.models import LoadedModel
 from lab.engine.sampling import SamplingConfig, apply_repetition_penalty, choose_token, process_logits
-from lab.engine.text import IncrementalDetokenizer
 from lab.params import POSITIVE, DecodeParams, InputError, param
 from lab.registry import Strategy
-from lab.trace import Event, LayerContrast, RunFinished, TokenEmitted
+from lab.trace import Event, LayerContrast
 
 TOP_K = 8
 TOP_LABELS = ["final", "premature", "contrast", "after penalty"]
@@ -202,17 +201,17 @@ class Contrast:
         return self.exits[self.layers.index(layer)]
 
 
-@torch.inference_mode()
-def forward_hidden(state: runtime.DecodeState, token_ids: list[int]) -> tuple[torch.Tensor, ...]:
-    """`runtime.forward` without the LM head: run `token_ids` after the cached prefix (appending their KV, one
-    counted forward) and return each layer's hidden state at the LAST position, (N + 1) x [H] ([N] is through
-    the final norm). DoLa applies the head itself, to the final and the early layers in one matmul."""
-    loaded = state.loaded
-    input_ids = torch.tensor([token_ids], dtype=torch.long, device=loaded.device)  # [1, T]
-    out = loaded.model.get_decoder()(input_ids=input_ids, cache=state.cache, use_cache=True, output_hidden_states=True)
-    state.forwards += 1
-    state.tokens.extend(token_ids)
-    return tuple(h[0, -1] for h in out.hidden_states)
+def _prefill_hidden(loaded: LoadedModel, prompt_ids: list[int]) -> tuple[runtime.DecodeState, tuple[torch.Tensor, ...]]:
+    state = runtime.new_state(loaded)
+    return state, runtime.forward_hidden(state, prompt_ids)
+
+
+def _step_hidden(state: runtime.DecodeState, token: int) -> tuple[torch.Tensor, ...]:
+    return runtime.forward_hidden(state, [token])
+
+
+# the forward skips the LM head: each step's output is every layer's hidden state at the last position, (N + 1) x [H]
+HIDDEN = Forwards(_prefill_hidden, _step_hidden)
 
 
 @torch.inference_mode()
@@ -290,40 +289,30 @@ def sampling_config(params: DolaParams) -> SamplingConfig:
     return SamplingConfig(params.temperature, params.top_k, params.top_p, 0.0, params.repetition_penalty)
 
 
+def dola_hook(loaded: LoadedModel, candidates: list[int], params: DolaParams, generator: torch.Generator) -> Hook:
+    """One step of `lab.engine.autoregressive`'s loop from the step's hidden states: the LayerContrast event, then
+    the token with the top-8 it was chosen from."""
+    config, texts = sampling_config(params), TokenTexts(loaded)
+
+    def hook(step: int, hidden: tuple[torch.Tensor, ...], history: list[int]) -> Pick:
+        contrast = contrast_step(loaded, hidden, candidates, params)  # 1. early exits, JSD, M, contrast [V]
+        processed = process_logits(contrast.scores, config, history)  # 2. repetition penalty (+ warpers)
+        token = choose_token(processed, config, generator)  # 3. argmax or a seeded draw
+        greedy = int(apply_repetition_penalty(contrast.final, history, params.repetition_penalty).argmax())
+        event = layer_contrast_event(step, contrast, processed, token, greedy, params.mode, texts)
+        return Pick(token, list(event.top_ids[-1]), list(event.top_probs[-1]), before=(event,))  # 4.
+
+    return hook
+
+
 def decode_loop(
     loaded: LoadedModel, prompt_ids: list[int], params: DolaParams, generator: torch.Generator
 ) -> Iterator[Event]:
-    """DoLa decoding, one target forward (with hidden states) per token, streaming LayerContrast + TokenEmitted."""
+    """DoLa decoding, one target forward (hidden states, no LM head) per token, streaming LayerContrast +
+    TokenEmitted; EOS ends the run (emitted, as in the reference)."""
     candidates = candidate_layers(params.dola_layers, loaded.num_layers, tied_embeddings(loaded))
-    config = sampling_config(params)
-    start = time.perf_counter()
-    state = runtime.new_state(loaded)
-    hidden = forward_hidden(state, prompt_ids)
-    detokenizer, texts = IncrementalDetokenizer(loaded.tokenizer), TokenTexts(loaded)
-    generated: list[int] = []
-    stop_reason = "max_new_tokens"
-    try:
-        for step in range(params.max_new_tokens):
-            history = prompt_ids + generated
-            contrast = contrast_step(loaded, hidden, candidates, params)  # 1. early exits, JSD, M, contrast [V]
-            processed = process_logits(contrast.scores, config, history)  # 2. repetition penalty (+ warpers)
-            token = choose_token(processed, config, generator)  # 3. argmax or a seeded draw
-            greedy = int(apply_repetition_penalty(contrast.final, history, params.repetition_penalty).argmax())
-            generated.append(token)
-            event = layer_contrast_event(step, contrast, processed, token, greedy, params.mode, texts)
-            yield event  # 4. emit the detail, then the token with the top-8 it was chosen from
-            top = [list(values[-1]) for values in (event.top_ids, event.top_tokens, event.top_probs)]
-            is_eos, is_last = token in loaded.eos_token_ids, step + 1 == params.max_new_tokens
-            text = detokenizer.push(token) + (detokenizer.flush() if is_eos or is_last else "")
-            yield TokenEmitted(step, token, text, "target", time.perf_counter() - start, *top)
-            if is_eos:  # 5. stop at EOS (emitted, as in the reference)
-                stop_reason = "eos"
-                break
-            if not is_last:
-                hidden = forward_hidden(state, [token])  # 6. next forward: (N + 1) x [H]
-        yield RunFinished(len(generated), stop_reason, time.perf_counter() - start, len(prompt_ids), state.forwards)
-    finally:
-        state.cache.reset()
+    hook = dola_hook(loaded, candidates, params, generator)
+    return decode(loaded, prompt_ids, hook, params.max_new_tokens, forwards=HIDDEN)
 
 
 def tied_embeddings(loaded: LoadedModel) -> bool:

@@ -13,7 +13,9 @@ import torch
 
 from lab.app.branching import BranchPoint, branch_events
 from lab.app.validation import RunRequest, check_prompt_fits
+from lab.engine import forward_path
 from lab.engine.defaults import NAMES
+from lab.engine.forward_path import ForwardPath
 from lab.engine.models import MODEL_CACHE, LoadedModel, load_model
 from lab.trace import Event, RunFinished, TokenEmitted, Trace, summarize
 
@@ -33,10 +35,15 @@ def prepare(request: RunRequest) -> tuple[LoadedModel, list[int]]:
     return loaded, prompt_ids
 
 
-def stream_run(request: RunRequest, loaded: LoadedModel, prompt_ids: list[int]) -> Iterator[Event]:
-    """The strategy's event stream for this request, seeded from the request."""
+def stream_run(
+    request: RunRequest, loaded: LoadedModel, prompt_ids: list[int], path: ForwardPath | None = None
+) -> Iterator[Event]:
+    """The strategy's event stream for this request, seeded from the request, with the forward paths fixed for
+    the run (`lab.engine.forward_path.pinned`); `path` is the target's, when decided up front (`new_trace`)."""
     generator = make_generator(request.seed, loaded.device)
-    return request.strategy.run(loaded, prompt_ids, request.params, generator)
+    path = path or forward_path.choose(loaded)
+    events = request.strategy.run(loaded, prompt_ids, request.params, generator)
+    return forward_path.pinned(events, {id(loaded.model): path})
 
 
 def stream_request(request: RunRequest, point: BranchPoint | None = None) -> Iterator[Event]:
@@ -48,7 +55,8 @@ def stream_request(request: RunRequest, point: BranchPoint | None = None) -> Ite
         return
     check_prompt_fits(loaded, prompt_ids + list(point.prefix_ids), request.params.max_new_tokens)
     generator = make_generator(request.seed, loaded.device)
-    yield from branch_events(request.strategy.run, loaded, prompt_ids, request.params, generator, point)
+    events = branch_events(request.strategy.run, loaded, prompt_ids, request.params, generator, point)
+    yield from forward_path.pinned(events, {id(loaded.model): forward_path.choose(loaded)})
 
 
 def record_choice(trace: Trace, request: RunRequest) -> None:
@@ -60,21 +68,28 @@ def record_choice(trace: Trace, request: RunRequest) -> None:
         trace.choice = choice.describe()
 
 
-def new_trace(request: RunRequest, loaded: LoadedModel | None = None) -> Trace:
-    """An empty trace describing the request (with the resolved dtype and precision once the model is loaded);
-    events are appended as they stream."""
+def new_trace(request: RunRequest, loaded: LoadedModel | None = None, path: ForwardPath | None = None) -> Trace:
+    """An empty trace describing the request (with the resolved dtype and precision, how they were chosen, and the
+    target's forward path for the run, `path` or decided now, once the model is loaded); events are appended as
+    they stream."""
     trace = Trace(request.strategy.name, request.model, request.prompt, asdict(request.params))
     if loaded is not None:
         trace.dtype, trace.precision = str(loaded.dtype).removeprefix("torch."), loaded.precision
         trace.choice = loaded.choice
+        trace.forward_path = (path or forward_path.choose(loaded)).as_dict()
     return trace
+
+
+def path_of(trace: Trace) -> ForwardPath | None:
+    """The forward path `new_trace` decided for this run (pass it to `stream_run` so the run takes it)."""
+    return ForwardPath(**trace.forward_path) if trace.forward_path else None
 
 
 def run_to_trace(request: RunRequest) -> Trace:
     """Run a request to the end and return its full trace."""
     loaded, prompt_ids = prepare(request)
     trace = new_trace(request, loaded)
-    trace.events.extend(stream_run(request, loaded, prompt_ids))
+    trace.events.extend(stream_run(request, loaded, prompt_ids, path_of(trace)))
     return trace
 
 

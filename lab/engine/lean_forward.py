@@ -124,11 +124,15 @@ def lean_forward(
     position_ids: torch.Tensor | None = None,
     logits_to_keep: int = 0,
     output_hidden_states: bool = False,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    lm_head: bool = True,
+    native: bool = True,
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
     """(logits [B, T', V], hidden states or None) of `model(input_ids, ..., cache=cache, use_cache=True)`.
 
     input_ids [B, T]; `cache` is extended in place; hidden states as transformers returns them: (L + 1) tensors,
-    [0] the embeddings, [l] the output of layer l, [L] through the final norm."""
+    [0] the embeddings, [l] the output of layer l, [L] through the final norm. `lm_head=False` returns no logits
+    (the decoder's output only, as `model.get_decoder()(...)`); `native=False` keeps the Python loop even
+    for forwards the C++ op would take (the "lean" path of `lab.engine.forward_path`)."""
     decoder = model.model
     config = decoder.config
     embeds = decoder.embed_tokens(input_ids)
@@ -140,9 +144,9 @@ def lean_forward(
     position_embeddings = decoder.rotary_emb.forward(embeds, position_ids=position_ids)
     eager = modeling_llama.eager_attention_forward
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)
-    native = decoder_layers(model, embeds, cache, position_embeddings, mask, output_hidden_states)
-    if native is not None:  # the same ops from C++ (lab.engine.native_forward)
-        hidden, layer_outputs = native
+    from_op = decoder_layers(model, embeds, cache, position_embeddings, mask, output_hidden_states) if native else None
+    if from_op is not None:  # the same ops from C++ (lab.engine.native_forward)
+        hidden, layer_outputs = from_op
         recorded = None if layer_outputs is None else [embeds, *layer_outputs[:-1], hidden]
     else:
         hidden = embeds
@@ -157,4 +161,4 @@ def lean_forward(
         if recorded is not None:
             recorded[-1] = hidden
     kept = hidden[:, -logits_to_keep:, :] if logits_to_keep else hidden
-    return model.lm_head(kept), None if recorded is None else tuple(recorded)
+    return model.lm_head(kept) if lm_head else None, None if recorded is None else tuple(recorded)

@@ -65,7 +65,8 @@ class LoadedModel:
 
     @property
     def lean(self) -> bool:
-        """Whether forwards take `lab.engine.lean_forward` (same numbers as model(...), less per-module overhead)."""
+        """Whether `lab.engine.lean_forward` can run this model now (same numbers as model(...), less per-module
+        overhead); `lab.engine.forward_path` decides from it, once per run, which path the forwards take."""
         return lean_forward.supports(self.model)
 
     @property

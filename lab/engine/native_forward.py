@@ -23,10 +23,11 @@ embedding, the causal mask, the rotary table, the hidden-key mask and the LM hea
 The op is compiled from `lab/engine/native/decoder_layers.cpp` and the low-bit kernels (`SOURCES`) with
 `torch.utils.cpp_extension` (a C++ compiler and ninja; about 20 s on two cores, cached under
 `TORCH_EXTENSIONS_DIR`): `python -m lab.engine.native_forward` builds it ahead of time (the Makefile's install and
-the bench do); otherwise the first forward that could use it starts the build in the background and forwards keep
-the Python loop until it is ready. Without a compiler, or when the build fails, they keep it for good, after one
-warning. `DECODING_LAB_NATIVE_FORWARD=0` turns the op off. Prefill, batched forwards, float32 and CUDA models, and
-models with other modules (adapters, other linears) keep `lab.engine.lean_forward`'s Python loop.
+the bench do); otherwise the first run that could use it starts the build in the background, and runs that start
+before it is ready keep the Python loop for their whole length (`lab.engine.forward_path` decides once per run).
+Without a compiler, or when the build fails, they keep it for good, after one warning.
+`DECODING_LAB_NATIVE_FORWARD=0` turns the op off. Prefill, batched forwards, float32 and CUDA models, and models
+with other modules (adapters, other linears) keep `lab.engine.lean_forward`'s Python loop.
 """
 
 from __future__ import annotations
@@ -96,6 +97,13 @@ def available() -> bool:
         _building = True
         threading.Thread(target=build, name="native-decoder-build", daemon=True).start()
     return bool(_loaded)
+
+
+def build_state() -> str:
+    """One of built, failed, building (in the background), not tried; never waits (lab.engine.forward_path)."""
+    if _loaded is not None:
+        return "built" if _loaded else "failed"
+    return "building" if _building else "not tried"
 
 
 def build(verbose: bool = False) -> bool:

@@ -4,10 +4,12 @@ Covered: prefill, one decode step, a multi-token verify step (a chain), a tree v
 `lab.engine.tree_attention`), per-layer hidden states, early-exit logits `lm_head(h_l)` (optionally through the final
 norm), and KV rollback: `crop(n)` for chains, `select(positions)` to keep an accepted tree path.
 Each call that runs the model counts one forward in `DecodeState.forwards` (the "target forwards" statistic).
-Llama-architecture models run through `lab.engine.lean_forward` (the same numbers as `model(...)`, less per-module
-overhead; on a CPU the decode steps' and verify forwards' layers as one C++ call, `lab.engine.native_forward`); other
-models through `model(...)`.
-Not covered: batching several sequences (CFG batches its two branches itself), paged or static caches.
+Every forward runs through `model_forward`, on the path `lab.engine.forward_path` fixed for the run: Llama-architecture
+models through `lab.engine.lean_forward` (the same numbers as `model(...)`, less per-module overhead; on a CPU the
+decode steps' and verify forwards' layers as one C++ call, `lab.engine.native_forward`), other models through
+`model(...)`.
+Not covered: padding and masking a batch of sequences (`forward_rows` runs one its caller built: CFG's two
+branches), paged or static caches.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from lab.engine import forward_path
 from lab.engine.lean_forward import lean_forward
 from lab.engine.models import LoadedModel
 from lab.engine.profile import section
@@ -51,6 +54,38 @@ def new_state(loaded: LoadedModel) -> DecodeState:
 
 
 @torch.inference_mode()
+def model_forward(
+    loaded: LoadedModel,
+    input_ids: torch.Tensor,
+    cache: DynamicCache,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    logits_to_keep: int = 0,
+    hidden_states: bool = False,
+    lm_head: bool = True,
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
+    """The one call that runs the model: (logits [B, T', V] in the model's dtype or None without `lm_head`,
+    (L + 1) x [B, T, H] hidden states or None) of `input_ids` [B, T] after `cache`, which is extended in place.
+
+    Every forward of the lab goes through here (the strategies through `forward` below, batched callers such as
+    CFG's two branches, Tree of Thoughts' sampled rows and the distillation batches directly), so each takes the
+    run's forward path (`lab.engine.forward_path.current`). `lm_head=False` skips the LM head (DoLa applies it
+    itself) and implies hidden states."""
+    hidden_states = hidden_states or not lm_head
+    options = {"attention_mask": attention_mask, "position_ids": position_ids, "output_hidden_states": hidden_states}
+    path = forward_path.current(loaded)  # fixed for the run (lab.engine.forward_path)
+    if path.lean:  # transformers' arithmetic without its per-module dispatch (lab.engine.lean_forward)
+        options |= {"logits_to_keep": logits_to_keep, "lm_head": lm_head, "native": path.native}
+        return lean_forward(loaded.model, input_ids, cache, **options)
+    if not lm_head:
+        out = loaded.model.get_decoder()(input_ids=input_ids, cache=cache, use_cache=True, **options)
+        return None, out.hidden_states
+    out = loaded.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep, **options)
+    return out.logits, (out.hidden_states if hidden_states else None)
+
+
+@torch.inference_mode()
 def forward(
     state: DecodeState,
     token_ids: list[int],
@@ -63,20 +98,44 @@ def forward(
     """Run `token_ids` after the cached prefix, append their KV to the cache, return float32 logits."""
     loaded = state.loaded
     input_ids = torch.tensor([token_ids], dtype=torch.long, device=loaded.device)  # [1, T]
-    options = {
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        "logits_to_keep": 1 if last_only else 0,
-        "output_hidden_states": hidden_states,
-    }
-    if loaded.lean:  # transformers' arithmetic without its per-module dispatch (lab.engine.lean_forward)
-        logits, hidden = lean_forward(loaded.model, input_ids, state.cache, **options)
-    else:
-        out = loaded.model(input_ids=input_ids, cache=state.cache, use_cache=True, **options)
-        logits, hidden = out.logits, out.hidden_states
+    logits, hidden = model_forward(
+        loaded,
+        input_ids,
+        state.cache,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=1 if last_only else 0,
+        hidden_states=hidden_states,
+    )
     state.forwards += 1
     state.tokens.extend(token_ids)
     return ForwardOutput(logits[0].float(), tuple(h[0] for h in hidden) if hidden_states else None)  # [T, V]
+
+
+@torch.inference_mode()
+def forward_hidden(state: DecodeState, token_ids: list[int]) -> tuple[torch.Tensor, ...]:
+    """`forward` without the LM head: run `token_ids` after the cached prefix (appending their KV, one counted
+    forward) and return each layer's hidden state at the LAST position, (L + 1) x [H] ([L] is through the final
+    norm). For callers that apply the head themselves (DoLa: the final and the early layers in one matmul)."""
+    input_ids = torch.tensor([token_ids], dtype=torch.long, device=state.loaded.device)  # [1, T]
+    _, hidden = model_forward(state.loaded, input_ids, state.cache, lm_head=False)
+    state.forwards += 1
+    state.tokens.extend(token_ids)
+    return tuple(h[0, -1] for h in hidden)
+
+
+@torch.inference_mode()
+def forward_rows(
+    state: DecodeState, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor:
+    """One forward of a batch of rows (input_ids [B, T], 2D padding mask [B, T_past + T], positions [B, T])
+    after the cached past; returns the float32 last-position logits [B, V] and counts one forward. The caller
+    keeps `state.tokens` (which row's tokens it records is its choice)."""
+    logits, _ = model_forward(
+        state.loaded, input_ids, state.cache, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1
+    )
+    state.forwards += 1
+    return logits[:, -1].float()  # [B, V]
 
 
 def prefill(

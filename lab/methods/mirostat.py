@@ -57,17 +57,17 @@ from dataclasses import dataclass, field
 import torch
 
 from lab.engine import runtime
+from lab.engine.autoregressive import Hook, Pick, steps
+from lab.engine.emitter import TOP_ALTERNATIVES
 from lab.engine.models import LoadedModel
 from lab.engine.sampling import FILTERED, apply_top_k, apply_top_p, sample
-from lab.engine.text import IncrementalDetokenizer
-from lab.trace import Event, MirostatStep, TokenEmitted
+from lab.trace import Event, MirostatStep
 
 LN2 = math.log(2.0)
 VERSIONS = ("v1", "v2")
 CONVENTIONS = ("paper", "llama.cpp")
 DEFAULT_ETA = {"paper": 1.0, "llama.cpp": 0.1}
 COMPARE = (("top-k", 40.0), ("top-p", 0.9))  # the `compare` replays: plain top-k and top-p at T = 1
-TOP_ALTERNATIVES = 8
 SMALL_X = 1e-6  # |eps ln N| below this: series form of eps / (1 - N^-eps)
 S_HAT_MIN = 1e-6  # s_hat <= 0 is evaluated here (its limit)
 
@@ -233,7 +233,7 @@ class TruncationSampler:
 Sampler = Callable[[torch.Tensor, torch.Generator], Choice]
 
 
-# --- the decode loop -----------------------------------------------------------------------------------------
+# --- the decode loop: lab.engine.autoregressive's, with Mirostat's hook -------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -248,6 +248,33 @@ class LoopSpec:
     emit_text: bool  # TokenEmitted events (the run's text) or MirostatStep only (comparisons)
 
 
+def mirostat_hook(loaded: LoadedModel, sampler: Sampler, spec: LoopSpec, generator: torch.Generator) -> Hook:
+    """One step of `lab.engine.autoregressive`'s loop: mask EOS (ignore_eos), truncate, draw and feed back, then the
+    step's MirostatStep (after the token's TokenEmitted)."""
+
+    def hook(step: int, output: runtime.ForwardOutput, history: list[int]) -> Pick:
+        logits = output.logits[-1]  # 1. [V]
+        logits = mask_tokens(logits, loaded.eos_token_ids) if spec.ignore_eos else logits
+        choice = sampler(logits, generator)  # 2. truncate, draw, feed back
+        model_surprise = surprise_bits(logits.log_softmax(-1), choice.token)  # 3. the common measure
+        event = MirostatStep(
+            step=step,
+            version=spec.version,
+            tau=spec.tau,
+            mu=choice.mu,
+            mu_next=choice.mu_next,
+            surprise=model_surprise if spec.series != "mirostat" else choice.surprise,
+            model_surprise=model_surprise,
+            k=choice.k,
+            s_hat=choice.s_hat,
+            token_id=choice.token,
+            series=spec.series,
+        )
+        return Pick(choice.token, choice.top_ids, choice.top_probs, after=(event,))
+
+    return hook
+
+
 def decode_loop(
     loaded: LoadedModel,
     prompt_ids: list[int],
@@ -256,46 +283,12 @@ def decode_loop(
     generator: torch.Generator,
     start: float,
 ) -> Generator[Event, None, tuple[str, int, int]]:
-    """Autoregressive decoding with a truncating sampler; returns (stop_reason, forwards, new_tokens)."""
-    state, out = runtime.prefill(loaded, prompt_ids)
-    detokenizer = IncrementalDetokenizer(loaded.tokenizer)
-    stop_reason, emitted = "max_new_tokens", 0
-    try:
-        for step in range(spec.max_new_tokens):
-            logits = out.logits[-1]  # 1. [V]
-            logits = mask_tokens(logits, loaded.eos_token_ids) if spec.ignore_eos else logits
-            choice = sampler(logits, generator)  # 2. truncate, draw, feed back
-            model_surprise = surprise_bits(logits.log_softmax(-1), choice.token)  # 3. the common measure
-            emitted += 1
-            is_eos, is_last = choice.token in loaded.eos_token_ids, step + 1 == spec.max_new_tokens
-            if spec.emit_text:  # 4. events
-                text = detokenizer.push(choice.token) + (detokenizer.flush() if is_eos or is_last else "")
-                tokens = [loaded.token_text(i) for i in choice.top_ids]
-                probs = [round(p, 6) for p in choice.top_probs]
-                elapsed = time.perf_counter() - start
-                yield TokenEmitted(step, choice.token, text, "target", elapsed, choice.top_ids, tokens, probs)
-            surprise = model_surprise if spec.series != "mirostat" else choice.surprise
-            yield MirostatStep(
-                step=step,
-                version=spec.version,
-                tau=spec.tau,
-                mu=choice.mu,
-                mu_next=choice.mu_next,
-                surprise=surprise,
-                model_surprise=model_surprise,
-                k=choice.k,
-                s_hat=choice.s_hat,
-                token_id=choice.token,
-                series=spec.series,
-            )
-            if is_eos:  # 5. stop at EOS or the budget
-                stop_reason = "eos"
-                break
-            if not is_last:
-                out = runtime.decode_step(state, choice.token)  # 6. [1, V]
-        return stop_reason, state.forwards, emitted
-    finally:
-        state.cache.reset()
+    """Autoregressive decoding with a truncating sampler (`lab.engine.autoregressive.steps` with `mirostat_hook`);
+    returns (stop_reason, forwards, new_tokens)."""
+    hook = mirostat_hook(loaded, sampler, spec, generator)
+    loop = steps(loaded, prompt_ids, hook, spec.max_new_tokens, emit_text=spec.emit_text, start=start)
+    outcome = yield from loop
+    return outcome.stop_reason, outcome.forwards, outcome.new_tokens
 
 
 def baseline_steps(

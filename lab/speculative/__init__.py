@@ -7,7 +7,8 @@ only in the proposer and the scheduling.
 - `acceptance`: accepted / recovered / bonus: Leviathan Alg. 1 for chains, the SpecInfer / EAGLE-2 sibling rule
   for trees, greedy walks, Medusa's typical acceptance (lossy).
 - `chain`: the chain loop (`chain_loop`, with a schedule: serial, or SSD's); `tree`: the tree loop (`tree_loop`).
-- `emitter`: the TokenEmitted stream; `events`: DraftRound / TreeRound.
+- `events`: DraftRound / TreeRound and the sources of a round's tokens; the TokenEmitted stream is
+  `lab.engine.emitter` (shared with the autoregressive loop).
 - `proposers/`: prompt lookup, draft model, self-draft, Medusa, MTPC, EAGLE, SSD's speculator.
 Device discipline: tensors made here live on the device of the logits they work with; generators on the model's.
 """

@@ -26,13 +26,13 @@ from typing import Protocol
 import torch
 
 from lab.engine import runtime
+from lab.engine.emitter import Emitter
 from lab.engine.models import LoadedModel
 from lab.engine.profile import section
 from lab.engine.sampling import SamplingConfig, choose_token, process_logits
 from lab.speculative.acceptance import Acceptance, accept
 from lab.speculative.draft import Draft, DraftContext, Proposer, Verified
-from lab.speculative.emitter import Emitter, sources_of
-from lab.speculative.events import draft_round
+from lab.speculative.events import draft_round, sources_of
 from lab.speculative.verify import commit, path_rows, verify
 from lab.trace import Event, PipelineSpan, RunFinished
 

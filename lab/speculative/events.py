@@ -97,3 +97,8 @@ def tree_round(
         head_top_texts=[[text(t) for t in row] for row in top_ids], head_top_probs=top_probs,
         draft_s=round(times[0], 6), verify_s=round(times[1], 6),
     )  # fmt: skip
+
+
+def sources_of(n_accepted: int, last: str) -> list[str]:
+    """Per emitted token of a round: 'accepted' for the kept draft tokens, then the last token's source."""
+    return ["accepted"] * n_accepted + [last]

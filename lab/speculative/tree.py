@@ -19,13 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from lab.engine import runtime
+from lab.engine.emitter import Emitter
 from lab.engine.models import LoadedModel
 from lab.engine.profile import section
 from lab.engine.sampling import SamplingConfig, choose_token, process_logits
 from lab.speculative.acceptance import accept
 from lab.speculative.draft import DraftContext, Proposer, Verified
-from lab.speculative.emitter import Emitter, sources_of
-from lab.speculative.events import tree_round
+from lab.speculative.events import sources_of, tree_round
 from lab.speculative.verify import commit, features_of, path_rows, verify
 from lab.trace import Event, RunFinished
 

@@ -18,8 +18,9 @@ median prefill ms (prompt to first new token) and median decode-only tokens/s (t
 time after it; llama.cpp's both from its own counters), the decode ratio against the first row, bootstrap 95%
 intervals of both ratios over prompts with two or more prompts (`lab.tools.bench_stats`), mean new tokens,
 forwards per token and the mean of every other numeric field of `lab.trace.Stats` (plus SSD's
-`lab.trace.speculation_stats`: cache hit rate, branches per round). Both paths stop at the same EOS ids, and a
-strategy's stop reasons are noted. `--profile` adds one more, untimed pass of every strategy with `lab.engine.profile`'s
+`lab.trace.speculation_stats`: cache hit rate, branches per round), and the forward path its runs took
+(`lab.engine.forward_path`, fixed per run). Both paths stop at the same EOS ids, and a strategy's stop reasons are
+noted. `--profile` adds one more, untimed pass of every strategy with `lab.engine.profile`'s
 module timer: the share of wall time in target forwards, drafting, acceptance, KV compaction and the rest, and the
 cost of a target forward at the positions it scored.
 Not covered: asserting speeds (tests never do), batching, memory use, sampling in the reference rows.
@@ -40,7 +41,7 @@ import torch
 from lab.app.builtin_prompts import load_prompts
 from lab.app.runner import prepare, stream_run
 from lab.app.validation import RunRequest, validate_request
-from lab.engine import native_forward
+from lab.engine import forward_path, native_forward
 from lab.engine.models import EMBEDDED_MODEL, LoadedModel
 from lab.engine.profile import ProfileRow, format_profile, module_timer, profile_row
 from lab.params import InputError
@@ -59,6 +60,8 @@ from lab.trace import Stats, TokenEmitted, speculation_stats, summarize
 
 MAX_REPEAT = 100
 WARMUP_TOKENS = 16
+# the reference rows run outside the lab's runtime: transformers' generate calls model(...)
+REFERENCE_PATHS = {HF_ROW: "model", HF_ASSIST_ROW: "model", LLAMA_CPP_ROW: "llama.cpp"}
 COLUMNS = ("strategy", "median tok/s", "speedup vs first", "prefill ms", "decode tok/s", "decode vs first", "tokens")
 COLUMNS += ("forwards/token", "notes")
 
@@ -87,6 +90,7 @@ class BenchRow:
     decode_speedup_interval: list[float] | None = None
     dtype: str = ""  # activation dtype of the row's model ("" for llama.cpp)
     choice: str = ""  # how the row's model got its dtype and precision, and why (lab.engine.defaults)
+    forward_path: str = ""  # lab.engine.forward_path of the row's runs ("a/b" if they differed; see REFERENCE_PATHS)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -117,15 +121,18 @@ def _numeric_stats(stats: Stats) -> dict[str, float]:
 def time_strategy(request: RunRequest, loaded: LoadedModel, prompt_ids: list[int]) -> RunSample:
     """Run one strategy to the end; tokens/s = new_tokens / wall_s as folded by `summarize`; prefill = the
     time of the first token event, decode tokens/s = the other tokens over the rest of the wall time."""
-    events = list(stream_run(request, loaded, prompt_ids))
+    path = forward_path.choose(loaded)  # fixed for the run, recorded in the row
+    events = list(stream_run(request, loaded, prompt_ids, path))
     stats = summarize(events)
     rate = stats.new_tokens / stats.wall_s if stats.wall_s > 0 else 0.0
     metrics = {**_numeric_stats(stats), **speculation_stats(events)}  # SSD: cache hit rate, branches per round
     emitted = [e for e in events if isinstance(e, TokenEmitted)]
     tokens = tuple(e.token_id for e in emitted)
     prefill = emitted[0].t if emitted else stats.wall_s  # the first token comes out of the prefill forward
-    split = (prefill, decode_rate(stats.new_tokens, stats.wall_s, prefill))
-    return RunSample(rate, stats.new_tokens, metrics, stats.stop_reason, tokens, *split)
+    decode = decode_rate(stats.new_tokens, stats.wall_s, prefill)
+    return RunSample(
+        rate, stats.new_tokens, metrics, stats.stop_reason, tokens, prefill, decode, forward_path=path.name
+    )
 
 
 def parse_param_overrides(items: list[str]) -> dict[str, dict[str, str]]:
@@ -364,6 +371,8 @@ def run_bench(
             rows[-1].dtype, rows[-1].choice = str(row_model.dtype).removeprefix("torch."), row_model.choice
         first_decode = rows[0].median_decode_tokens_per_s if len(rows) > 1 else None
         vars(rows[-1]).update(split_fields(runs, next(iter(samples.values())), len(prompt_ids), first_decode))
+        paths = "/".join(sorted({run.forward_path for run in runs if run.forward_path}))
+        rows[-1].forward_path = paths or REFERENCE_PATHS.get(name, "")
     settings = {"strategies": list(requests), "max_new_tokens": max_new_tokens, "repeat": repeat, "seed": seed}
     extra = {"params": params or {}, "hf_assist": hf_assist, "llama_cpp": llama_cpp, "native_layers": native}
     config = _config(loaded, prompts, len(texts), **settings, limit=limit, hf=hf, **extra)
@@ -384,7 +393,8 @@ def format_table(result: BenchResult) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
     for row in result.rows:
         own = f"model: {row.choice}" if row.choice and row.choice != c.get("choice") else ""
-        notes = "; ".join(part for part in (row.notes, own, _extra_metrics_note(row)) if part)
+        path = f"path {row.forward_path}" if row.forward_path else ""
+        notes = "; ".join(part for part in (row.notes, own, _extra_metrics_note(row), path) if part)
         cells = (
             row.name,
             f"{row.median_tokens_per_s:.2f}",

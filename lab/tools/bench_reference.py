@@ -52,6 +52,7 @@ class RunSample:
     token_ids: tuple[int, ...] = ()
     prefill_s: float = 0.0
     decode_tokens_per_s: float = 0.0
+    forward_path: str = ""  # the path the run's forwards took (lab.engine.forward_path; "" for the reference rows)
 
 
 def decode_rate(new_tokens: int, wall_s: float, prefill_s: float) -> float:

@@ -1,4 +1,4 @@
-"""The command line: `python -m lab list | run | bench | eval`.
+"""The command line: `python -m lab list | run | bench | eval | doctor` (and the plugins' commands).
 
 Covered: listing strategies (text, or JSON with every parameter's spec), running one strategy on a prompt
 (streaming text to stdout, stats to stderr; or one JSON object; optionally writing the trace file), the
@@ -31,6 +31,7 @@ PLUGIN_MODULES: tuple[str, ...] = (
     "lab.training.cli",
     "lab.tools.tot_eval",
     "lab.tools.rlm_eval",
+    "lab.tools.doctor",
 )
 
 EXIT_OK, EXIT_INPUT, EXIT_MODEL, EXIT_INTERRUPTED = 0, 2, 3, 130
@@ -195,13 +196,15 @@ def run_request_from_args(args: argparse.Namespace) -> Any:
 def cmd_run(args: argparse.Namespace) -> int:
     """Run one strategy: stream the text (or print JSON), stats on stderr, optionally write the trace."""
     from lab.app.runner import new_trace, prepare, stream_run
+    from lab.engine.forward_path import choose
     from lab.engine.text import json_for_terminal, printable
     from lab.trace import TokenEmitted, summarize, to_json
 
     request = run_request_from_args(args)
     loaded, prompt_ids = prepare(request)
-    trace = new_trace(request, loaded)
-    with closing(stream_run(request, loaded, prompt_ids)) as events:
+    path = choose(loaded, wait=True)  # a one-off process: load (or build) the op where it applies, as the bench does
+    trace = new_trace(request, loaded, path)
+    with closing(stream_run(request, loaded, prompt_ids, path)) as events:
         for event in events:
             trace.events.append(event)
             if not args.json and isinstance(event, TokenEmitted) and event.text:

@@ -17,9 +17,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from transformers import DynamicCache
 
 from lab.app.builtin_prompts import load_prompts
 from lab.app.runner import prepare, stream_run
+from lab.engine import runtime
 from lab.engine.models import EMBEDDED_MODEL, ModelLoadError
 from lab.params import InputError
 from lab.tools.bench import BenchResult, build_requests, run_bench
@@ -39,7 +41,8 @@ def output_log_likelihood(loaded, prompt_ids: list[int], output_ids: list[int]) 
     if not output_ids:
         return 0.0
     ids = torch.tensor([prompt_ids + output_ids], dtype=torch.long, device=loaded.device)  # [1, T]
-    logits = loaded.model(ids).logits[0, len(prompt_ids) - 1 : -1].float()  # [n, V]
+    logits, _ = runtime.model_forward(loaded, ids, DynamicCache(config=loaded.config))  # [1, T, V]
+    logits = logits[0, len(prompt_ids) - 1 : -1].float()  # [n, V]
     logp = torch.log_softmax(logits, dim=-1)
     target = torch.tensor(output_ids, device=loaded.device)
     return float(logp.gather(1, target[:, None]).mean())

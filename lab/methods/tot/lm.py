@@ -178,8 +178,8 @@ class CallModel:
                     ids[row].append(token)
             if all(done) or step + 1 == max_tokens:
                 break
-            out = self.loaded.model(input_ids=drawn, cache=cache, use_cache=True)
-            logits = out.logits[:, -1].float()  # [rows, V]
+            out, _ = runtime.model_forward(self.loaded, drawn, cache)
+            logits = out[:, -1].float()  # [rows, V]
             self.usage.tokens += rows
             self.usage.forwards += 1
         return [_cut(self.loaded.decode(row), stops) for row in ids]

@@ -40,6 +40,7 @@ with the same drafter on the main thread. Not covered: tree drafts, several sequ
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import heapq
 import queue
 import threading
@@ -122,7 +123,9 @@ class Speculator:
         self.proposer, self.config, self.eos, self.fanout = proposer, config, eos, fanout
         self.threads, self.generator, self.clock = threads, generator, clock
         self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="ssd-drafter", daemon=True)
+        # the drafter runs in the run's context, so its forwards take the run's pinned path (lab.engine.forward_path)
+        run_context = contextvars.copy_context()
+        self._thread = threading.Thread(target=run_context.run, args=(self._loop,), name="ssd-drafter", daemon=True)
         self._thread.start()
 
     def start(self, job: Job) -> None:

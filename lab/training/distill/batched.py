@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from lab.engine import runtime
 from lab.engine.models import LoadedModel
 
 
@@ -58,16 +59,16 @@ def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-def _captured(out, logits: torch.Tensor, capture: Capture) -> dict[str, torch.Tensor]:
+def _captured(hidden: tuple[torch.Tensor, ...], logits: torch.Tensor, capture: Capture) -> dict[str, torch.Tensor]:
     """The rows of one forward at its last position: h_p, extra features, top-k of softmax(z_p)."""
     top = torch.softmax(logits.float(), dim=-1).topk(capture.top_k, dim=-1)
     rows = {
-        "hidden": out.hidden_states[-1][:, -1].to(torch.float16).cpu(),  # [b, H]
+        "hidden": hidden[-1][:, -1].to(torch.float16).cpu(),  # [b, H]
         "topk_ids": top.indices.to(torch.int32).cpu(),  # [b, k]
         "topk_probs": top.values.to(torch.float16).cpu(),
     }
     for layer in capture.layers:
-        rows[f"hidden.{layer}"] = out.hidden_states[layer][:, -1].to(torch.float16).cpu()
+        rows[f"hidden.{layer}"] = hidden[layer][:, -1].to(torch.float16).cpu()
     return rows
 
 
@@ -92,14 +93,13 @@ def decode_batch(
     hidden = capture is not None
     for step in range(max_new_tokens):
         # 1. one forward over the new tokens of the running rows (the whole prompts at step 0)
-        out = loaded.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-            output_hidden_states=hidden, logits_to_keep=1,
-        )  # fmt: skip
-        logits = out.logits[:, -1]  # [b, V]
+        out, states = runtime.model_forward(
+            loaded, ids, cache, attention_mask=mask, position_ids=positions, logits_to_keep=1, hidden_states=hidden
+        )
+        logits = out[:, -1]  # [b, V]
         # 2. store this position's rows, choose x_{p+1}
         if capture is not None:
-            steps.append((active, _captured(out, logits, capture)))
+            steps.append((active, _captured(states, logits, capture)))
         chosen = _choose(logits, temperature, generator)  # [b]
         for row, token in zip(active.tolist(), chosen.tolist(), strict=True):
             responses[row].append(token)
