@@ -166,3 +166,19 @@ def test_the_app_records_the_choice_of_a_loaded_request(monkeypatch) -> None:
     runner.record_choice(trace, request)
     assert (trace.dtype, trace.precision) == ("bfloat16", "int4") and trace.choice == loaded.choice
     assert runner.new_trace(request, loaded).choice == loaded.choice
+
+
+def test_the_app_records_the_forward_path_its_request_ran_on() -> None:
+    """The app makes its trace before the model loads; the path the run was pinned to is filled in at the end."""
+    from lab.app import runner
+    from lab.app.validation import validate_request
+    from lab.engine.forward_path import ForwardPath
+
+    request = validate_request("greedy", "hi", {}, model="tiny", device="cpu")
+    other = validate_request("greedy", "another prompt", {}, model="tiny", device="cpu")
+    path = ForwardPath("lean", "a tiny Llama", True)
+    runner._remember_path(request, path)
+    trace, untouched = runner.new_trace(request), runner.new_trace(other)
+    runner.record_choice(trace, request)
+    runner.record_choice(untouched, other)
+    assert trace.forward_path == path.as_dict() and untouched.forward_path is None

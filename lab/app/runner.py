@@ -6,6 +6,9 @@ model cache. The generator frees the strategy's caches when it is closed early (
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 
@@ -35,6 +38,27 @@ def prepare(request: RunRequest) -> tuple[LoadedModel, list[int]]:
     return loaded, prompt_ids
 
 
+# The target's forward path of the latest run of each request (by a digest of the request, so no user data is
+# kept), for the app, which makes its trace before the model loads and fills it in at the end (`record_choice`).
+_RUN_PATHS: OrderedDict[str, ForwardPath] = OrderedDict()
+_RUN_PATHS_LOCK = threading.Lock()
+MAX_RUN_PATHS = 64
+
+
+def _request_digest(request: RunRequest) -> str:
+    return hashlib.sha256(repr(request).encode("utf-8", "replace")).hexdigest()
+
+
+def _remember_path(request: RunRequest, path: ForwardPath) -> ForwardPath:
+    with _RUN_PATHS_LOCK:
+        key = _request_digest(request)
+        _RUN_PATHS[key] = path
+        _RUN_PATHS.move_to_end(key)
+        while len(_RUN_PATHS) > MAX_RUN_PATHS:
+            _RUN_PATHS.popitem(last=False)
+    return path
+
+
 def stream_run(
     request: RunRequest, loaded: LoadedModel, prompt_ids: list[int], path: ForwardPath | None = None
 ) -> Iterator[Event]:
@@ -50,22 +74,27 @@ def stream_request(request: RunRequest, point: BranchPoint | None = None) -> Ite
     """Load, encode and stream a request; with a branch point, continue from the parent's prefix and the forced
     token (lab.app.branching) instead of from the prompt."""
     loaded, prompt_ids = prepare(request)
+    path = _remember_path(request, forward_path.choose(loaded))
     if point is None:
-        yield from stream_run(request, loaded, prompt_ids)
+        yield from stream_run(request, loaded, prompt_ids, path)
         return
     check_prompt_fits(loaded, prompt_ids + list(point.prefix_ids), request.params.max_new_tokens)
     generator = make_generator(request.seed, loaded.device)
     events = branch_events(request.strategy.run, loaded, prompt_ids, request.params, generator, point)
-    yield from forward_path.pinned(events, {id(loaded.model): forward_path.choose(loaded)})
+    yield from forward_path.pinned(events, {id(loaded.model): path})
 
 
 def record_choice(trace: Trace, request: RunRequest) -> None:
-    """Fill the trace's dtype, precision and choice (how they were chosen, and why) once the request's model has
-    loaded in this process; leaves the trace as it is when it has not (e.g. it loaded in a ZeroGPU worker)."""
+    """Fill the trace's dtype, precision, choice (how they were chosen, and why) and forward path once the request's
+    model has loaded and run in this process; leaves the trace as it is when it has not (e.g. a ZeroGPU worker)."""
     choice = MODEL_CACHE.known_choice(request.model, request.device, request.dtype, request.precision)
     if choice is not None:
         trace.dtype, trace.precision = NAMES.get(choice.dtype, str(choice.dtype)), choice.precision
         trace.choice = choice.describe()
+    with _RUN_PATHS_LOCK:
+        path = _RUN_PATHS.get(_request_digest(request))
+    if path is not None and trace.forward_path is None:  # the path this request's run was pinned to
+        trace.forward_path = path.as_dict()
 
 
 def new_trace(request: RunRequest, loaded: LoadedModel | None = None, path: ForwardPath | None = None) -> Trace:
