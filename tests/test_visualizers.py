@@ -260,3 +260,17 @@ def test_fit_figure_wraps_long_titles_and_puts_legends_in_their_own_row() -> Non
     assert fitted.layout.margin.t >= 44 + 20 + 26 and fitted.layout.yaxis.automargin
     short = fit_figure(go.Figure(layout=base_layout("Short", 300)), 440)
     assert short.layout.title.text == "Short" and short.layout.height == 300
+
+
+def test_fit_figure_wraps_each_line_of_a_title_that_has_several() -> None:
+    """A title with a <br> (RLM's call tree: the figure's name, then the REPL's isolation) has each long line wrapped,
+    and the top margin grows by the lines added."""
+    from visualizers.fit import LINE_PX, fit_figure
+
+    long = "RLM call tree: root turns → code → llm_query sub-calls"
+    fig = go.Figure(layout=base_layout(f"{long}<br>REPL: full isolation", 300))
+    top = fig.layout.margin.t
+    fitted = fit_figure(fig, 300)
+    lines = fitted.layout.title.text.split("<br>")
+    assert len(lines) == 3 and lines[-1] == "REPL: full isolation" and " ".join(lines[:2]) == long
+    assert fitted.layout.margin.t >= top + LINE_PX

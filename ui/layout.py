@@ -84,6 +84,7 @@ body.dl-present .dl-token { border: 1px solid #000000; }
 body.dl-present .dl-legend { font-size: 18px !important; color: #000000 !important; }
 body.dl-present .dl-stats, body.dl-present .dl-stats * { font-size: 18px !important; color: #000000 !important; }
 body.dl-present .dl-stats td, body.dl-present .dl-stats th { padding: 2px 8px !important; }
+body.dl-present .dl-stats p:has(> em:only-child) { display: none !important; } /* the model line */
 body.dl-present .dl-views { flex-wrap: nowrap !important; }
 /* figures drawn at 1.5x: plotly lays them out in the narrower unzoomed width, so 12 px text shows at 18 px */
 body.dl-present [id$="main-plot"] { zoom: 1.5; }

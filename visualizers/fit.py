@@ -25,8 +25,11 @@ DEFAULT_WIDTH_PX = 440  # the narrowest plot slot of the app's layout
 
 
 def _wrap(text: str, limit: int) -> str:
-    """The title on at most two lines, broken at a space (or a separator) before `limit` characters."""
-    if len(text) <= limit or "<br>" in text:
+    """Each line of the title (lines split at <br>) on at most two lines, broken at a space (or a separator) before
+    `limit` characters."""
+    if "<br>" in text:
+        return "<br>".join(_wrap(line, limit) for line in text.split("<br>"))
+    if _plain_length(text) <= limit:
         return text
     cut = max(text.rfind(sep, 0, limit) for sep in (" ", ":", ",", "·"))
     if cut <= limit // 3:
@@ -54,10 +57,12 @@ def fit_figure(fig: go.Figure, width_px: float | None = None) -> go.Figure:
     fig.update_yaxes(automargin=True)
     title = layout.title.text or ""
     limit = int((width - 30) / TITLE_CHAR_PX)
-    wrapped = bool(title) and _plain_length(title) > limit and "<br>" not in title
+    fitted = _wrap(title, limit)
+    added = fitted.count("<br>") - title.count("<br>")  # lines the wrapping added
+    wrapped = added > 0
     if wrapped:
-        fig.update_layout(title_text=_wrap(title, limit))
-        top, height = top + LINE_PX, height + LINE_PX
+        fig.update_layout(title_text=fitted)
+        top, height = top + added * LINE_PX, height + added * LINE_PX
     if any(t.type == "heatmap" and t.showlegend for t in fig.data):  # a side legend would cover the colour bar
         fig.update_layout(legend_orientation="h")
     if layout.legend.orientation == "h":  # legend rows between the title and the plot, never on an axis
