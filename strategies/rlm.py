@@ -100,7 +100,7 @@ def run(loaded: LoadedModel, prompt_ids: list[int], params: RlmParams, generator
     start = time.perf_counter()
     context, question, expected = build_context(params, question_text(loaded, prompt_ids))
     context_tokens = len(loaded.tokenizer(context, add_special_tokens=False)["input_ids"])
-    isolation = probe_isolation().level
+    isolation = probe_isolation().trace_level
     yield RlmContext(
         0, question, params.task, expected, len(context), context_tokens, context[:200], params.mode, isolation
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.methods.rlm import frames
+from lab.methods.rlm import frames, root
 from lab.methods.rlm import sandbox as sandbox_module
 from lab.methods.rlm.sandbox import ExecResult, Sandbox, SubQuery
 from lab.trace import ReplCall, RlmContext, Trace, to_json
@@ -28,7 +28,7 @@ from tests.test_sandbox_attacks import (
     needs_full,
     run_cell,
 )
-from visualizers.rlm import call_tree_figure, coverage_figure
+from visualizers.rlm import ISOLATION_TEXT, call_tree_figure, coverage_figure
 
 ROOT = Path(__file__).resolve().parents[1]
 IPC_KINDS = ("shm", "msg", "sem")
@@ -334,3 +334,58 @@ def test_a_lone_surrogate_from_a_hostile_worker_cannot_break_the_trace(monkeypat
     assert (result.output, result.error, result.final) == ("o?", "e?", "?")
     call = ReplCall(0, 0, -1, 0, "root", "code", "", result.reads, result.output, result.error, 1, 1, 0.1, result.final)
     to_json(Trace(strategy="rlm", model="m", prompt="q", params={}, events=[call])).encode("utf-8")
+
+
+HOST_PATHS = ("/etc/shadow", "/etc/passwd", "/root", "/work", str(ROOT), "/home", "/var")
+BY_NAME = (  # stat / access / readlink / exists on host paths: Landlock does not check them, the minimal root does
+    "import os\nfound = []\n"
+    "for path in PATHS:\n"
+    "    for name, call in (('stat', os.stat), ('lstat', os.lstat), ('readlink', os.readlink)):\n"
+    "        try:\n            call(path)\n            found.append((path, name))\n"
+    "        except FileNotFoundError:\n            pass\n"
+    "        except OSError as exc:\n            found.append((path, name, exc.errno))\n"
+    "    if os.access(path, os.F_OK) or os.path.exists(path) or os.path.lexists(path):\n"
+    "        found.append((path, 'access'))\n"
+    "print(found)"
+)
+
+
+@needs_full
+def test_host_paths_do_not_exist_for_the_repl(host) -> None:
+    """At 817fec4 (and until the minimal root) a cell learnt /etc/shadow's size and date with os.stat, and that
+    /root, /work and the repository exist; now the REPL's root holds only the interpreter, its libraries and its
+    folder. The host's files are untouched and a normal cell still works."""
+
+    def files() -> dict[str, tuple[int, int, int]]:
+        return {
+            path: (s.st_ino, s.st_size, s.st_mtime_ns)
+            for path in ("/etc/shadow", "/etc/passwd")
+            for s in [os.stat(path)]
+        }
+
+    before = files()
+    assert all(os.path.lexists(path) for path in HOST_PATHS if path not in ("/home", "/var"))  # they exist on the host
+    with Sandbox("the context 12345", NO_HOOK) as box:
+        result = run_cell(box, f"PATHS = {list(HOST_PATHS)!r}\n" + BY_NAME)
+        assert result.error is None and result.output.strip() == "[]", result.transcript
+        normal = "import json\nprint(json.dumps({'n': len(context), 'x': sum(range(10))}), context[-5:])"
+        result = run_cell(box, normal)
+        assert result.error is None and result.output.strip() == '{"n": 17, "x": 45} 12345', result.transcript
+        assert_next_cell_works(box)
+    assert files() == before and all(map(os.path.lexists, ("/root", "/work", str(ROOT))))
+
+
+@needs_full
+def test_without_the_minimal_root_the_level_says_so(monkeypatch: pytest.MonkeyPatch, host) -> None:
+    """Where umount / pivot_root are missing the worker falls back to the host's tree (Landlock-confined), and the
+    level shown to the user says the minimal root is missing."""
+    monkeypatch.setattr(root, "root_tools", lambda: None)
+    with Sandbox("x", NO_HOOK, isolation="full", minimal_root=True) as box:
+        assert not box.rooted
+        result = run_cell(box, "import os\nprint(os.path.exists('/etc/shadow'))")
+        assert result.error is None and result.output.strip() == "True", result.transcript
+        assert_next_cell_works(box)
+    isolation = sandbox_module.probe_isolation.__wrapped__()
+    assert isolation.level == "full" and not isolation.minimal_root, isolation
+    assert "NO minimal root" in isolation.description and "a minimal root" in isolation.reason
+    assert isolation.trace_level == "full-no-root" and "WITHOUT a minimal root" in ISOLATION_TEXT["full-no-root"]

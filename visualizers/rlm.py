@@ -29,7 +29,10 @@ ERROR_COLOR, FINAL_COLOR = STATUS_COLORS["rejected"], STATUS_COLORS["recovered"]
 SYMBOLS = {"root": "square", "sub": "circle"}
 LEGEND = {"orientation": "h", "x": 1.0, "xanchor": "right", "y": 1.0, "yanchor": "bottom"}
 ISOLATION_TEXT = {  # RlmContext.isolation -> what the REPL ran in (lab.methods.rlm.sandbox.LEVEL_TEXT in short)
-    "full": "full sandbox (private uid, namespaces, capped tmpfs, Landlock, seccomp; memory per process, no cgroup)",
+    "full": "full sandbox (private uid, namespaces, minimal root, capped tmpfs, Landlock, seccomp; memory per process, "
+    "no cgroup)",
+    "full-no-root": "full sandbox WITHOUT a minimal root (host paths visible by name; private uid, namespaces, capped "
+    "tmpfs, Landlock, seccomp; memory per process, no cgroup)",
     "unisolated": "NOT a sandbox (separate process, resource limits only)",
 }
 

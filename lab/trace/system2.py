@@ -90,7 +90,7 @@ class RlmContext:
     """What an RLM run works on (Zhang, Kraska, Khattab 2025): the question, the context's size (it lives in the
     sandboxed REPL, never in a prompt), the task that generated it ("pasted" for user text) with its known answer
     ("" when unknown), the mode (action = constrained grammar, code = free-form ```repl code) and the sandbox's
-    isolation level (full | unisolated: `lab.methods.rlm.sandbox.LEVEL_TEXT` says what each is)."""
+    isolation level (full | full-no-root | unisolated: `lab.methods.rlm.sandbox.Isolation` says what each is)."""
 
     step: int
     question: str

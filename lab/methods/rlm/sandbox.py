@@ -2,15 +2,17 @@
 
 Model-written code never runs in the server's process. At the "full" level `Sandbox` starts
 `lab/methods/rlm/worker.py` (stdlib only, preceded by `lab/methods/rlm/confine.py`) as
-`unshare --net --mount --pid --ipc --fork --kill-child -- sh -c 'mount -t proc proc /proc && mount -t tmpfs -o
-size=...,nosuid,nodev,noexec DIR && cd DIR && exec setpriv --reuid=U --regid=U --clear-groups --inh-caps=-all
---bounding-set=-all --no-new-privs PYTHON -I -S -B -c <worker>'` with:
+`unshare --net --mount --pid --ipc --fork --kill-child -- sh -c <lab.methods.rlm.root.SETUP_SCRIPT>`: a minimal
+root (an empty tmpfs with the library folders, the stdlib, the interpreter, setpriv and /dev/null bound
+read-only, a proc and the size-capped noexec tmpfs of the run's folder), `pivot_root` into it, the host's root
+detached, then `exec setpriv --reuid=U --regid=U --clear-groups --inh-caps=-all --bounding-set=-all
+--no-new-privs PYTHON -I -S -B -c <worker>`, with:
 - a fresh unprivileged uid U per sandbox (from a private range, so RLIMIT_NPROC and /proc of one run never
   reach another run); a new network namespace (no interface up: loopback is unreachable); a new pid namespace
   (the worker is its init: when it dies every process of the run dies) with its own /proc (no host PID is
   visible); a new IPC namespace (SysV / POSIX IPC objects die with the worker; seccomp denies the calls too);
-  a new mount namespace whose tmpfs over the run's folder (nosuid, nodev, noexec) caps its total size
-  (`folder_bytes`) and file count;
+  a new mount namespace holding the minimal root (no other host path exists there, not even for stat), whose
+  tmpfs at the run's folder (nosuid, nodev, noexec) caps its total size (`folder_bytes`) and file count;
 - an empty environment, a new session (the whole process group is SIGKILLed on a timeout, a violation or
   close; the server then reaps every member, `lab.methods.rlm.reap`), PYTHON = `sys.executable` when the
   sandbox uid can run it, else the configured DECODING_LAB_RLM_PYTHON or a system python3 (the worker needs
@@ -25,9 +27,10 @@ the context's length), and the worker is killed by process group; the next `exec
 returns an `ExecResult`.
 
 Levels (`probe_isolation`): "full" needs root, unshare / setpriv / mount / sh, an interpreter the sandbox uid
-can run, the four namespaces, proc and tmpfs, Landlock and libseccomp (a trial worker checks them); otherwise the
-level is "unisolated": a separate process with rlimits only, which is not a sandbox. Free-form code mode is
-refused below "full" (`code_mode_refusal` names what is missing); constrained action mode runs project-made
+can run, the four namespaces, proc and tmpfs, Landlock and libseccomp (a trial worker checks them; where the
+minimal root cannot be set up, a second trial runs without it and the level's text says "NO minimal root");
+otherwise the level is "unisolated": a separate process with rlimits only, which is not a sandbox. Free-form
+code mode is refused below "full" (`code_mode_refusal` names what is missing); constrained action mode runs project-made
 code only and works at either level. Not covered: cgroups. Memory is bounded by RLIMIT_AS per process, the
 tmpfs size and the denial of SysV shared memory and memfds (the two ways to hold memory outside RLIMIT_AS that
 the issue-31 red team used); `LEVEL_TEXT` says so to the user.
@@ -51,7 +54,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lab.methods.rlm import confine, frames, reap
+from lab.methods.rlm import confine, frames, reap, root
 from lab.methods.rlm import worker as protocol
 
 PYTHON_ENV = "DECODING_LAB_RLM_PYTHON"
@@ -60,16 +63,11 @@ UID_RANGE = (200_000, 260_000)  # private uids, no passwd entry, never used by a
 MAX_FRAME = 1 << 20  # bytes of one worker -> parent frame
 TRUNCATED = protocol.TRUNCATED
 LEVEL_TEXT = {
-    "full": "sandbox: private uid, network / mount / pid / IPC namespaces, private /proc, size-capped noexec tmpfs, "
+    "full": "sandbox: private uid, network / mount / pid / IPC namespaces, minimal root, private /proc, "
+    "size-capped noexec tmpfs, "
     "Landlock, seccomp, rlimits; memory capped per process (RLIMIT_AS), no cgroup",
     "unisolated": "NOT a sandbox: a separate process with resource limits only (action mode runs project code only)",
 }
-SETUP_SCRIPT = (  # sh -c: a proc of the new pid namespace over /proc, the capped tmpfs over the folder, enter it,
-    # exec setpriv ... python (args, no quoting)
-    '"$1" -t proc -o nosuid,nodev,noexec proc /proc'
-    ' && "$1" -t tmpfs -o "size=$2,nr_inodes=$3,mode=0700,uid=$4,gid=$4,nosuid,nodev,noexec" rlm "$5"'
-    ' && cd "$5" && unset PWD OLDPWD && shift 5 && exec "$@"'
-)
 _active_uids: set[int] = set()
 _uid_lock = threading.Lock()
 
@@ -128,14 +126,23 @@ class ProtocolViolation(Exception):
 class Isolation:
     level: str  # full | unisolated
     missing: tuple[str, ...] = ()  # what the full level lacks here (empty when full)
+    minimal_root: bool = True  # the worker sees only its pivot_root'ed minimal root (else the host's tree by name)
 
     @property
     def reason(self) -> str:
         return "; ".join(self.missing)
 
     @property
+    def trace_level(self) -> str:
+        """What a trace records (`RlmContext.isolation`): full | full-no-root | unisolated."""
+        return "full-no-root" if self.level == "full" and not self.minimal_root else self.level
+
+    @property
     def description(self) -> str:
-        return LEVEL_TEXT[self.level] + (f" (missing: {self.reason})" if self.missing else "")
+        text = LEVEL_TEXT[self.level]
+        if self.level == "full" and not self.minimal_root:
+            text = text.replace("minimal root", "NO minimal root (host paths visible by name)")
+        return text + (f" (missing: {self.reason})" if self.missing else "")
 
 
 def _runnable_by_others(path: str) -> bool:
@@ -177,20 +184,29 @@ def _static_missing() -> list[str]:
     return missing
 
 
+def _trial(minimal_root: bool) -> tuple[list[str], bool]:
+    """Start a trial worker: (what the full level lacks, whether the minimal root was in place)."""
+    try:
+        with Sandbox("", SandboxLimits(timeout_s=10), isolation="full", minimal_root=minimal_root) as trial:
+            missing = [] if trial.landlock_abi > 0 else ["Landlock in the kernel (file access could not be confined)"]
+            return missing + ([] if trial.seccomp_rules > 0 else ["a loaded seccomp filter"]), trial.rooted
+    except SandboxError as error:
+        return [f"a working isolated worker ({error})"], False
+
+
 @functools.cache
 def probe_isolation() -> Isolation:
-    """Which isolation this machine supports; checked once per process by starting a trial worker."""
+    """Which isolation this machine supports; checked once per process by starting a trial worker (with the
+    minimal root, and without it when that one fails: the level then says the host's paths are visible)."""
     missing = _static_missing()
-    if not missing:
-        try:
-            with Sandbox("", SandboxLimits(timeout_s=10), isolation="full") as trial:
-                if trial.landlock_abi <= 0:
-                    missing.append("Landlock in the kernel (file access could not be confined)")
-                if trial.seccomp_rules <= 0:
-                    missing.append("a loaded seccomp filter")
-        except SandboxError as error:
-            missing.append(f"a working isolated worker ({error})")
-    return Isolation("unisolated" if missing else "full", tuple(missing))
+    if missing:
+        return Isolation("unisolated", tuple(missing))
+    missing, rooted = _trial(minimal_root=True)
+    if not missing and rooted:
+        return Isolation("full")
+    why = "; ".join(missing) or "umount, pivot_root, the interpreter's stdlib or setpriv"
+    missing, _ = _trial(minimal_root=False)
+    return Isolation("unisolated" if missing else "full", (*missing, f"a minimal root ({why})"), minimal_root=False)
 
 
 def code_mode_refusal() -> str | None:
@@ -227,9 +243,14 @@ def worker_program() -> str:
 class Sandbox:
     """One worker holding `context`; see the module docstring. Use as a context manager."""
 
-    def __init__(self, context: str, limits: SandboxLimits = SandboxLimits(), isolation: str | None = None):
+    def __init__(
+        self, context: str, limits: SandboxLimits = SandboxLimits(), isolation: str | None = None,
+        minimal_root: bool | None = None,
+    ) -> None:  # fmt: skip
         self.context, self.limits = context, limits
         self.isolation = isolation or probe_isolation().level
+        self.minimal_root = probe_isolation().minimal_root if minimal_root is None else minimal_root
+        self.rooted = False  # whether the last worker started in the minimal root
         self.process: subprocess.Popen | None = None
         self.tmpdir: str | None = None
         self.uid: int | None = None
@@ -251,10 +272,15 @@ class Sandbox:
         namespaces = [tools["unshare"], "--net", "--mount", "--pid", "--ipc", "--fork", "--kill-child"]
         namespaces += ["--propagation", "private", "--"]
         folder = [str(self.limits.folder_bytes), str(self.limits.folder_files), str(self.uid), self.tmpdir]
-        setup = [tools["sh"], "-c", SETUP_SCRIPT, "sh", tools["mount"], *folder]
+        root_tools = root.root_tools()
+        entries = root.root_entries(python, tools["setpriv"]) if self.minimal_root else None
+        self.rooted = bool(root_tools and entries)
+        script = root.SETUP_SCRIPT if self.rooted else root.PLAIN_SETUP_SCRIPT
+        mount = [os.path.realpath(tools["mount"]), *(root_tools or ["-", "-"])]
+        setup = [tools["sh"], "-c", script, "sh", *mount, *folder, *(entries or []), "--"]
         ids = [f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups"]
         caps = ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
-        return namespaces + setup + [tools["setpriv"], *ids, *caps] + worker
+        return namespaces + setup + [os.path.realpath(tools["setpriv"]), *ids, *caps] + worker
 
     def start(self) -> None:
         """Start a fresh worker (own uid, folder, namespaces), send it the context, wait for `ready`."""

@@ -3,7 +3,8 @@ the long context and runs the untrusted code.
 
 `lab.methods.rlm.sandbox` starts this file's source (preceded by `lab.methods.rlm.confine`'s, see `program()`) as the
 `-c` program of an isolated Python, already in new network / mount / pid / IPC namespaces (with its own /proc),
-under a fresh unprivileged uid, with an empty environment and a size-capped noexec tmpfs as its folder. Two processes:
+in a minimal root (`lab.methods.rlm.root`), under a fresh unprivileged uid, with an empty environment and a
+size-capped noexec tmpfs as its folder. Two processes:
 1. the supervisor moves the channel off fds 0/1 (fds 0-2 become /dev/null), reads the init frame (context,
    limits), puts Landlock and the seccomp filter on itself (`lab.methods.rlm.confine`; inherited by its child), opens
    three pipes and forks the REPL child;
