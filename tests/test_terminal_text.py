@@ -36,12 +36,13 @@ def test_json_for_terminal_is_the_same_value_without_raw_controls() -> None:
 def fake_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """cmd_run without a model: the runner streams the hostile tokens."""
 
-    def stream_run(request, loaded, prompt_ids):
+    def stream_run(request, loaded, prompt_ids, path=None):
         yield from (TokenEmitted(i, i, text, "target", 0.1 * i) for i, text in enumerate(HOSTILE))
         yield RunFinished(3, "eos", 0.3, 2, 3)
 
     monkeypatch.setattr("lab.app.runner.prepare", lambda request: (None, [1, 2]))
-    monkeypatch.setattr("lab.app.runner.new_trace", lambda request, loaded: Trace("greedy", "m", "p", {}))
+    monkeypatch.setattr("lab.engine.forward_path.choose", lambda loaded, wait=False: None)  # no model here
+    monkeypatch.setattr("lab.app.runner.new_trace", lambda request, loaded, path=None: Trace("greedy", "m", "p", {}))
     monkeypatch.setattr("lab.app.runner.stream_run", stream_run)
 
 
