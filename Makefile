@@ -31,7 +31,8 @@ $(INSTALLED): requirements.txt
 		|| { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get install -y -q libseccomp2; } \
 		|| echo "note: libseccomp2 is not installed, so RLM code mode will be refused (action mode still runs)"
 	# the C++ decoder layers of CPU decode steps (lab/engine/native_forward.py); without a compiler the Python loop runs
-	@$(PY) -m lab.engine.native_forward || echo "note: no C++ build of the decoder layers; forwards use the Python loop"
+	# (built into $(VENV)/torch_extensions; the time limit keeps an install from hanging on a build that cannot end)
+	@timeout 1200 $(PY) -m lab.engine.native_forward || echo "note: no C++ build of the decoder layers; forwards use the Python loop"
 	touch $@
 
 $(DEV_INSTALLED): $(INSTALLED) requirements-dev.txt

@@ -21,8 +21,9 @@ equal to the Python loop's and to `model(...)`'s on tiny models at every precisi
 embedding, the causal mask, the rotary table, the hidden-key mask and the LM head stay in Python, once per forward.
 
 The op is compiled from `lab/engine/native/decoder_layers.cpp` and the low-bit kernels (`SOURCES`) with
-`torch.utils.cpp_extension` (a C++ compiler and ninja; about 20 s on two cores, cached under
-`TORCH_EXTENSIONS_DIR`): `python -m lab.engine.native_forward` builds it ahead of time (the Makefile's install and
+`torch.utils.cpp_extension` (a C++ compiler and ninja; about a minute on two cores, cached in `build_directory()`:
+inside the environment lab runs in, so each install builds its own): `python -m lab.engine.native_forward` builds it
+ahead of time (the Makefile's install and
 the bench do); otherwise the first run that could use it starts the build in the background, and runs that start
 before it is ready keep the Python loop for their whole length (`lab.engine.forward_path` decides once per run).
 Without a compiler, or when the build fails, they keep it for good, after one warning.
@@ -32,6 +33,8 @@ with other modules (adapters, other linears) keep `lab.engine.lean_forward`'s Py
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import sys
@@ -106,6 +109,42 @@ def build_state() -> str:
     return "building" if _building else "not tried"
 
 
+def build_directory() -> Path:
+    """Where the op is compiled and cached: `$TORCH_EXTENSIONS_DIR/decoding_lab_native` when that is set, else in
+    this interpreter's prefix (the project's .venv), else torch's per-user default. Not the per-user default first:
+    a build killed there (a session's end, Ctrl-C) leaves torch's `lock` file behind and every later build by any
+    checkout would wait on it for ever."""
+    chosen = os.environ.get("TORCH_EXTENSIONS_DIR")
+    candidates = [Path(chosen)] if chosen else [Path(sys.prefix) / "torch_extensions"]
+    candidates.append(Path.home() / ".cache" / "torch_extensions")
+    for root in candidates:
+        directory = root / EXTENSION
+        with contextlib.suppress(OSError):
+            directory.mkdir(parents=True, exist_ok=True)
+            if os.access(directory, os.W_OK):
+                return directory
+    raise OSError(f"no writable build directory for the op among {[str(c) for c in candidates]}")
+
+
+@contextlib.contextmanager
+def exclusive(directory: Path):
+    """Hold the build directory alone, across processes, and clear a stale torch `lock` file in it.
+
+    torch's own lock is a file that exists while a build runs and is removed when it ends; a process killed mid-build
+    leaves it, and `load` then waits for ever. This takes an `flock` on a file beside it first (the kernel releases
+    an flock when its process dies), so while it is held no other lab process is in `load` here and a `lock` file
+    found is a dead build's."""
+    with open(directory / "lab-build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            if (directory / "lock").exists():
+                _log.warning("removing the lock file a killed build left in %s", directory)
+                (directory / "lock").unlink(missing_ok=True)
+            yield directory
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 def build(verbose: bool = False) -> bool:
     """Compile (or load the cached build of) the op; True when `torch.ops.decoding_lab.decoder_layers` exists."""
     global _loaded
@@ -120,14 +159,16 @@ def build(verbose: bool = False) -> bool:
                 if torch.backends.cpu.get_cpu_capability() in _VECTOR_CAPABILITIES:
                     flags += _VECTOR_FLAGS
                 sources = [str(s) for s in SOURCES]
-                load(
-                    EXTENSION,
-                    sources,
-                    extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"],
-                    is_python_module=False,
-                    verbose=verbose,
-                )
+                with exclusive(build_directory()) as directory:
+                    load(
+                        EXTENSION,
+                        sources,
+                        extra_cflags=flags,
+                        extra_ldflags=["-fopenmp"],
+                        build_directory=str(directory),
+                        is_python_module=False,
+                        verbose=verbose,
+                    )
                 _loaded = hasattr(torch.ops.decoding_lab, "decoder_layers")
                 if _loaded and os.environ.get(LOWBIT_SWITCH, "1") == "0":
                     torch.ops.decoding_lab.lowbit_active(False)  # ATen's low-bit kernels in the layers too
