@@ -37,6 +37,10 @@ class Strategy:
     paper: str
     Params: type
     run: RunFn
+    # what the prompt must hold under the given params, for the empty-prompt message ("four numbers such as ...")
+    prompt_hint: Callable[[object], str] | None = None
+    # (button label, params -> prompt): a prompt the method can write from its own settings (RLM's task question)
+    task_prompt: tuple[str, Callable[[object], str | None]] | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:

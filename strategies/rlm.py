@@ -4,11 +4,14 @@ the model's window by letting the model inspect the context through a sandboxed 
 The prompt is the question. The context is a generated task (`task`: needle / count / sum over synthetic logs
 of `context_tokens` tokens from `task_seed`, `lab.methods.rlm.tasks`, with a known answer; tally is the family whose
 answer needs a sub-call on every chunk) or the text pasted in
-`context_text` (`task` = pasted). With `use_task_question` on, a generated task's own question replaces the
-prompt (so its answer can be checked); otherwise the prompt is asked. The context lives only in the worker
-(`lab.methods.rlm.sandbox`); the root sees its length and a prefix. `mode` = action (default; the model picks each
-step from a constrained grammar, `lab.methods.rlm.actions`) or code (the paper's free-form ```repl code; refused
-unless the sandbox is fully isolated, see `lab.methods.rlm.sandbox`). The loop itself is `lab.methods.rlm.loop`.
+`context_text` (`task` = pasted). The prompt is never replaced silently: asking the generated task's own question
+is an explicit choice, either by putting it in the prompt (the Run tab's "Ask the task's question" button,
+`task_question`) or with `use_task_question` on (the CLI's way; the prompt is then ignored). When the question asked
+is the task's own, its known answer is the expected one and the run's answer is checked against it.
+The context lives only in the worker (`lab.methods.rlm.sandbox`); the root sees its length and a prefix.
+`mode` = action (default; the model picks each step from a constrained grammar, `lab.methods.rlm.actions`) or
+code (the paper's free-form ```repl code; refused unless the sandbox is fully isolated, see
+`lab.methods.rlm.sandbox`). The loop itself is `lab.methods.rlm.loop`.
 Emits: RlmContext, one ReplCall per root turn and sub-call, RlmResult, the answer's tokens as TokenEmitted
 (source "target"), RunFinished (stop_reason eos after FINAL, max_new_tokens after a limit).
 `max_new_tokens` bounds each root turn's generation in code mode and the length of the emitted answer.
@@ -44,7 +47,9 @@ class RlmParams(DecodeParams):
     )
     context_tokens: int = param(20_000, low=1_000, high=500_000, help="Size of the generated document in tokens.")
     task_seed: int = param(0, low=0, high=1_000_000, help="Seed of the generated document and question.")
-    use_task_question: bool = param(True, help="Ask the task's own question (known answer), not the prompt.")
+    use_task_question: bool = param(
+        False, help="Ask the generated task's own question and ignore the prompt (its answer is known and checked)."
+    )
     context_text: str = param("", help="The context when task = pasted (any length up to 4M characters).")
     max_iterations: int = param(6, low=1, high=20, help="Root turns before the root must answer.")
     max_depth: int = param(2, low=1, high=3, help="Deepest llm_query level (1 = plain sub-calls, as in the paper).")
@@ -71,9 +76,31 @@ def build_context(params: RlmParams, prompt_question: str) -> tuple[str, str, st
             raise InputError(f"context_text has {len(params.context_text)} characters; the limit is 4,000,000.")
         return params.context_text, prompt_question, ""
     task = tasks.make_task(params.task, params.context_tokens, params.task_seed)
-    if params.use_task_question:
-        return task.context, task.question, task.answer
-    return task.context, prompt_question, ""
+    question = task.question if params.use_task_question else prompt_question
+    return task.context, question, task.answer if same_question(question, task.question) else ""
+
+
+def same_question(asked: str, own: str) -> bool:
+    """Whether the question asked is the task's own (case, spacing and a final "?" aside)."""
+
+    def norm(text: str) -> str:
+        return " ".join(text.casefold().split()).rstrip("?").strip()
+
+    return norm(asked) == norm(own)
+
+
+def task_question(params: RlmParams) -> str | None:
+    """The generated task's own question (None for pasted text): what the Run tab's button puts in the prompt."""
+    if params.task == "pasted":
+        return None
+    return tasks.make_task(params.task, params.context_tokens, params.task_seed).question
+
+
+def prompt_needs(params: RlmParams) -> str:
+    """What the prompt must hold (the empty-prompt message)."""
+    if params.task == "pasted":
+        return "a question about the text pasted in context_text"
+    return 'a question about the generated document (the button "Ask the task\'s question" writes its own)'
 
 
 def config_from(params: RlmParams) -> RlmConfig:
@@ -137,4 +164,6 @@ STRATEGY = Strategy(
     paper="Zhang, Kraska, Khattab 2025, Recursive Language Models (arXiv:2512.24601)",
     Params=RlmParams,
     run=run,
+    prompt_hint=prompt_needs,
+    task_prompt=("Ask the task's question", task_question),
 )

@@ -27,7 +27,7 @@ from lab.engine.models import LoadedModel
 from lab.engine.text import IncrementalDetokenizer
 from lab.methods.tot.lm import CallModel
 from lab.methods.tot.search import SEARCHES, VALUE_MODES, SearchConfig, TreeSearch
-from lab.methods.tot.tasks import TASKS, make_task
+from lab.methods.tot.tasks import INPUTS, TASKS, make_task
 from lab.params import DecodeParams, param
 from lab.registry import Strategy
 from lab.trace import Event, RunFinished, ThoughtResult, TokenEmitted
@@ -112,4 +112,5 @@ STRATEGY = Strategy(
     "(arXiv:2305.10601), Alg. 1-2",
     Params=ToTParams,
     run=run,
+    prompt_hint=lambda params: INPUTS[params.task],
 )

@@ -118,10 +118,12 @@ def test_rlm_on_a_tiny_model_emits_a_complete_trace(tiny) -> None:
     params = build_params(
         RLM.Params, {"task": "count", "context_tokens": 2000, "max_iterations": 3, "max_sub_calls": 4}
     )
-    prompt_ids = tiny.encode("How many?", chat=False)
+    question = RLM.task_prompt[1](params)  # what the Run tab's "Ask the task's question" button writes
+    prompt_ids = tiny.encode(question, chat=False)
     events = list(RLM.run(tiny, prompt_ids, params, make_generator(0, tiny.device)))
     context = events[0]
-    assert isinstance(context, RlmContext) and context.expected and context.context_chars > 5000
+    assert isinstance(context, RlmContext) and context.question == question and context.context_chars > 5000
+    assert context.expected == tasks.make_task("count", 2000, 0).answer
     calls = [e for e in events if isinstance(e, ReplCall)]
     roots = [c for c in calls if c.role == "root"]
     assert 1 <= len(roots) <= 3 and all(c.alternatives and len(c.scores) == len(c.alternatives) for c in roots)
@@ -133,6 +135,23 @@ def test_rlm_on_a_tiny_model_emits_a_complete_trace(tiny) -> None:
     assert isinstance(events[-1], RunFinished) and events[-1].step == len(tokens)
     trace = Trace("rlm", "tiny", "How many?", {}, events)
     assert from_json(to_json(trace)).events == events
+
+
+def test_the_prompt_is_the_question_unless_the_task_question_is_chosen(tiny) -> None:
+    """The user's prompt is never replaced silently; the task's own question (typed, or chosen with
+    use_task_question) carries its known answer."""
+    own = tasks.make_task("needle", 1000, 3)
+    assert RLM.task_prompt[1](build_params(RLM.Params, {"task": "needle", "context_tokens": 1000, "task_seed": 3}))
+    assert RLM.task_prompt[1](build_params(RLM.Params, {"task": "pasted"})) is None
+    for prompt, use_task_question, question, expected in [
+        ("Who wrote the logs?", False, "Who wrote the logs?", ""),
+        (own.question.upper().rstrip("?") + "  ?", False, own.question.upper().rstrip("?") + "  ?", own.answer),
+        ("Who wrote the logs?", True, own.question, own.answer),
+    ]:
+        values = {"task": "needle", "context_tokens": 1000, "task_seed": 3, "use_task_question": use_task_question}
+        params = build_params(RLM.Params, {**values, "max_iterations": 1})
+        context = next(RLM.run(tiny, tiny.encode(prompt, chat=False), params, make_generator(0, tiny.device)))
+        assert (context.question, context.expected) == (question, expected)
 
 
 def test_pasted_context_and_bad_input(tiny) -> None:
@@ -150,7 +169,8 @@ def test_pasted_context_and_bad_input(tiny) -> None:
 def test_embedded_model_runs_generated_tasks_in_action_mode(embedded, kind: str, seed: int, size: int) -> None:
     """The mechanism on the 135M model: the root only ever sees metadata and REPL output, every sub-call hangs
     under the root turn that made it, and a FINAL answer is the model's own text (accuracy is the eval's job)."""
-    params = build_params(RLM.Params, {"task": kind, "context_tokens": size, "task_seed": seed, "max_iterations": 4})
+    values = {"task": kind, "context_tokens": size, "task_seed": seed, "max_iterations": 4, "use_task_question": True}
+    params = build_params(RLM.Params, values)
     prompt_ids = embedded.encode("unused: the task's own question is asked")
     events = list(RLM.run(embedded, prompt_ids, params, make_generator(0, embedded.device)))
     result = next(e for e in events if isinstance(e, RlmResult))

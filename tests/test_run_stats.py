@@ -9,7 +9,13 @@ from lab.trace import (
     GuidanceStep,
     LayerContrast,
     MirostatStep,
+    ReplCall,
+    RlmContext,
+    RlmResult,
     RunFinished,
+    ThoughtNode,
+    ThoughtResult,
+    ThoughtStep,
     TokenEmitted,
     Trace,
     from_json,
@@ -70,3 +76,30 @@ def test_compare_has_a_speedup_column_against_the_greedy_run():
     assert rows[1]["speedup vs greedy"] == f"{expected:.2f}x"
     assert len(rows[1]["acceptance"].split(".")[1]) == 2 and len(rows[1]["tau"].split(".")[1]) == 2
     assert compare.compare_rows([example])[0]["speedup vs greedy"] is None  # no greedy among them
+
+
+def _call(call_id: int, role: str, parent: int, tokens: int) -> ReplCall:
+    return ReplCall(call_id, call_id, parent, int(role == "sub"), role, "grep('x')", "", [], "out", "", tokens, 1, 0.5)
+
+
+def test_rlm_stats_count_calls_and_sub_calls_and_put_the_answer_beside_the_expected_one():
+    context = RlmContext(0, "How many | pipes?", "count", "12", 9000, 3000, "Log", "action", "full")
+    live = [context, _call(0, "root", -1, 99), _call(1, "sub", 0, 49), _call(2, "sub", 0, 49)]
+    rows = dict(run_stats.system2_quantities(live))
+    assert (rows["root turns"], rows["sub-calls"], rows["tokens, all calls"]) == ("1", "2", "200")
+    assert rows["answer"] == "…" and rows["expected"] == "12" and "verdict" not in rows
+    assert run_stats.progress_line(live).startswith("Working: 1 root turns, 2 sub-calls, 200 tokens, all calls so")
+    done = live + [RlmResult(0, "It is 12 | <b>", True, "final", 1, 2, 200, 9000)] + _tokens(3, 2.0, 40)
+    rows = dict(run_stats.system2_quantities(done))
+    assert rows["answer"] == "It is 12 \\| &lt;b&gt;" and rows["verdict"] == "correct"
+    unknown = RlmContext(0, "Who?", "count", "", 9000, 3000, "Log", "action", "full")
+    assert dict(run_stats.system2_quantities([unknown]))["expected"].startswith("unknown")
+
+
+def test_tot_stats_read_the_counters_its_figure_shows():
+    node = ThoughtNode(0, 0, -1, 0, "4 9 10 13", None, "kept", 0, 0)
+    step = ThoughtStep(1, "bfs", [1, 2], 8, model_calls=50, tokens=2039)
+    result = ThoughtResult(3, "game24", "bfs", "model", [0, 1], True, "(13-9)*(10-4)=24", 50, 2039, 7, 40)
+    rows = dict(run_stats.system2_quantities([node, step, result, *_tokens(12, 3.0, 7)]))
+    assert rows == {"model calls": "50", "tokens run": "2,039", "forwards": "7", "solved": "yes"}
+    assert run_stats.system2_quantities(_tokens(3, 1.0, 3)) is None and run_stats.progress_line([node]) != ""

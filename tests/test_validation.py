@@ -42,6 +42,22 @@ def test_empty_or_whitespace_prompt(prompt: str) -> None:
         validate_request("greedy", prompt)
 
 
+@pytest.mark.parametrize(
+    "strategy, params, needs",
+    [
+        ("greedy", {}, "something for the model to continue"),
+        ("tot", {}, "whole numbers, the Game of 24 hand (such as 4 9 10 13)"),
+        ("tot", {"task": "creative"}, "the sentences (or the topic) to write about"),
+        ("rlm", {}, "a question about the generated document"),
+        ("rlm", {"task": "pasted"}, "a question about the text pasted in context_text"),
+    ],
+)
+def test_an_empty_prompt_is_told_what_the_method_needs(strategy: str, params: dict, needs: str) -> None:
+    with pytest.raises(InputError, match="prompt is empty") as refused:
+        validate_request(strategy, "  ", params)
+    assert needs in str(refused.value)
+
+
 @pytest.mark.parametrize("prompt", [None, 5, ["hi"], b"hi"])
 def test_non_text_prompt(prompt: object) -> None:
     with pytest.raises(InputError, match="prompt"):

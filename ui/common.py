@@ -20,7 +20,7 @@ import gradio as gr
 from lab.app.branching import BranchError, BranchPoint, branch_record
 from lab.app.pacing import REALTIME, STEP, PaceControl, Pacer, PaceRegistry
 from lab.app.presets import MODELS
-from lab.app.run_stats import fmt, is_acceleration, key_quantities, speed_vs_greedy
+from lab.app.run_stats import fmt, is_acceleration, key_quantities, progress_line, speed_vs_greedy, system2_quantities
 from lab.app.runner import new_trace, record_choice, stopped_trace, stream_request
 from lab.app.shared_runs import Job, QueueFull, RunHub, Waiting, request_key
 from lab.app.validation import RunRequest, validate_request
@@ -239,12 +239,17 @@ def stats_markdown(trace: Trace, status: str = "", extra: list[tuple[str, str]] 
     (lab.app.run_stats.key_quantities), `extra` columns (the Run tab's speedup) and why it stopped; `note`: a line
     under the table."""
     stats = summarize(trace.events)
-    rows = [
-        ("tokens", stats.new_tokens),
-        ("tokens/s", fmt(stats.tokens_per_s, 1)),
-        ("target forwards", stats.target_forwards),
-        ("forwards/token", fmt(stats.forwards_per_token)),
-    ]
+    system2 = system2_quantities(trace.events)
+    if system2 is not None:  # a search or a REPL loop: its calls and answer, not a decoding speed
+        rows = [*system2, ("answer tokens", stats.new_tokens)]
+        rows += [("time", f"{stats.wall_s:.1f} s")] if stats.wall_s > 0 else []
+    else:
+        rows = [
+            ("tokens", stats.new_tokens),
+            ("tokens/s", fmt(stats.tokens_per_s, 1)),
+            ("target forwards", stats.target_forwards),
+            ("forwards/token", fmt(stats.forwards_per_token)),
+        ]
     if stats.acceptance_rate is not None:
         rows += [("acceptance α", fmt(stats.acceptance_rate)), ("τ (tokens/round)", fmt(stats.mean_accepted_length))]
     rows += key_quantities(trace.events) + list(extra or [])
@@ -284,6 +289,9 @@ def speed_stats(trace: Trace, request: RunRequest) -> tuple[list[tuple[str, str]
 def stats_line(trace: Trace, status: str = "") -> str:
     """The run's numbers on one line (narrow columns)."""
     stats = summarize(trace.events)
+    system2 = system2_quantities(trace.events)
+    if system2 is not None:
+        return " · ".join([f"{label} {value}" for label, value in system2] + [status or stats.stop_reason])
     parts = [f"{stats.new_tokens} tokens", f"{fmt(stats.tokens_per_s, 1)} tok/s"]
     parts.append(f"{fmt(stats.forwards_per_token)} fwd/token")
     if stats.acceptance_rate is not None:
@@ -319,7 +327,7 @@ def view_updates(trace: Trace, status: str = "", selected: int | None = None, wi
     figures = strategy_figures(trace.strategy, trace.events, width_px)[:MAX_FIGURES]
     details = [gr.Plot(value=f, visible=True) for f in figures[1:]]
     details += [gr.Plot(visible=False)] * (MAX_FIGURES - len(figures))
-    tokens = strategy_token_view(trace.strategy, trace.events, selected)
+    tokens = strategy_token_view(trace.strategy, trace.events, selected, progress_line(trace.events))
     return [tokens, figures[0], stats_markdown(trace, status), trace.text, *details]
 
 

@@ -120,7 +120,7 @@ def build_compare_tab(settings: dict) -> None:
                     gr.Markdown(elem_id=f"compare-title-{i}"),
                     gr.HTML(elem_id=f"compare-tokens-{i}", js_on_load=TOKEN_CLICK_JS),
                     gr.Markdown(elem_id=f"compare-stats-{i}"),
-                    gr.Plot(elem_id=f"compare-plot-{i}", label="Internals"),
+                    gr.Plot(elem_id=f"compare-plot-{i}", label="Internals", show_label=False),
                 ]
             columns.append(column)
     summary = gr.Markdown(elem_id="compare-summary")

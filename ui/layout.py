@@ -75,6 +75,9 @@ PRESENT_JS = """
 CSS = """
 .dl-token:hover { filter: brightness(0.92); }
 .dl-views > .column { min-width: 0; }
+/* stats headers break between words only ("forwards/toke n" was unreadable); a row too wide scrolls sideways */
+.dl-stats th, .dl-stats td { overflow-wrap: normal !important; word-break: normal !important; }
+.dl-stats table { display: block; overflow-x: auto; }
 body.dl-present .dl-hide-present, body.dl-present #run-settings, body.dl-present #dl-header,
 body.dl-present .dl-details, body.dl-present #prompt, body.dl-present #chat,
 body.dl-present .tab-wrapper, body.dl-present [role="tablist"] { display: none !important; }
@@ -126,11 +129,14 @@ def build_views(prefix: str, details_open: bool = True) -> dict:
         with gr.Column(scale=1, min_width=280):
             views["tokens"] = gr.HTML(label="Tokens", elem_id=f"{prefix}token-view", js_on_load=TOKEN_CLICK_JS)
         with gr.Column(scale=1, min_width=280):
-            views["main"] = gr.Plot(label="Internals", elem_id=f"{prefix}main-plot")
+            views["main"] = gr.Plot(label="Internals", show_label=False, elem_id=f"{prefix}main-plot")
     with gr.Accordion("Details: more views of this run", open=details_open, elem_classes=["dl-details"]):
         with gr.Row(equal_height=False):
             views["details"] = [
-                gr.Plot(visible=False, label="Details", elem_id=f"{prefix}detail-plot-{i}", min_width=420)
+                # no block label: each figure's own title says what it shows (a label also covered the title)
+                gr.Plot(
+                    visible=False, label="Details", show_label=False, elem_id=f"{prefix}detail-plot-{i}", min_width=420
+                )
                 for i in range(1, MAX_FIGURES)
             ]
         views["text"] = gr.Textbox(label="Text", lines=3, interactive=False, elem_id=f"{prefix}text")

@@ -18,7 +18,7 @@ from lab.app.presets import DEFAULTS, preset_values, presets_for
 from lab.app.runner import new_trace
 from lab.engine.models import EMBEDDED_MODEL
 from lab.engine.quant import PRECISIONS
-from lab.params import param_specs
+from lab.params import InputError, build_params, param_specs
 from strategies import REGISTRY
 from ui.branch_panel import build_branch_panel, wire_branch_panel
 from ui.common import (
@@ -100,36 +100,68 @@ def run_api(model: str, strategy: str, prompt: str, chat: bool, max_new_tokens: 
     yield from stream_outputs(strategy, prompt, params, chat, seed, model, "auto", "auto")
 
 
-def param_control(spec) -> gr.components.Component:
+def param_control(spec, elem_id: str | None = None) -> gr.components.Component:
     """A control for one ParamSpec: dropdown for choices, checkbox for bools, slider for bounded numbers."""
     if spec.choices:
-        return gr.Dropdown(list(spec.choices), value=spec.default, label=spec.name, info=spec.help)
+        return gr.Dropdown(list(spec.choices), value=spec.default, label=spec.name, info=spec.help, elem_id=elem_id)
     if spec.type == "bool":
-        return gr.Checkbox(value=spec.default, label=spec.name, info=spec.help)
+        return gr.Checkbox(value=spec.default, label=spec.name, info=spec.help, elem_id=elem_id)
     if spec.type in ("int", "float") and spec.low is not None and spec.high is not None:
         step = 1 if spec.type == "int" else 0.01
-        return gr.Slider(spec.low, spec.high, value=spec.default, step=step, label=spec.name, info=spec.help)
+        return gr.Slider(
+            spec.low, spec.high, value=spec.default, step=step, label=spec.name, info=spec.help, elem_id=elem_id
+        )
     if spec.type in ("int", "float"):
         return gr.Number(
-            value=spec.default, label=spec.name, info=spec.help, precision=0 if spec.type == "int" else None
+            value=spec.default,
+            label=spec.name,
+            info=spec.help,
+            precision=0 if spec.type == "int" else None,
+            elem_id=elem_id,
         )
-    return gr.Textbox(value=spec.default, label=spec.name, info=spec.help)
+    return gr.Textbox(value=spec.default, label=spec.name, info=spec.help, elem_id=elem_id)
 
 
-def build_controls() -> tuple[dict[str, gr.Group], list[tuple[str, str, gr.components.Component]]]:
+def build_controls() -> tuple[dict[str, gr.Group], list[tuple[str, str, gr.components.Component]], dict]:
     """One (hidden unless selected) group of parameter controls per strategy; controls that have no effect
-    under the defaults (lab.app.controls) start hidden."""
-    groups, controls = {}, []
+    under the defaults (lab.app.controls) start hidden. A strategy that can write a prompt from its settings
+    (`Strategy.task_prompt`, RLM's task question) gets a button for it under its controls."""
+    groups, controls, prompt_buttons = {}, [], {}
     for name, strategy in REGISTRY.items():
         shown = visibility(strategy.Params, {})
         with gr.Group(visible=name == "greedy") as group:
             for spec in param_specs(strategy.Params):
                 if not spec.common:
-                    control = param_control(spec)
+                    control = param_control(spec, elem_id=f"param-{name}-{spec.name}")
                     control.visible = shown[spec.name]
                     controls.append((name, spec.name, control))
+            if strategy.task_prompt:
+                prompt_buttons[name] = gr.Button(strategy.task_prompt[0], size="sm", elem_id=f"{name}-task-prompt")
         groups[name] = group
-    return groups, controls
+    return groups, controls, prompt_buttons
+
+
+def wire_prompt_buttons(ui: dict) -> None:
+    """A strategy's prompt button writes the prompt its settings give (shown in the prompt box, so the question
+    asked is always the one on screen); settings that give none leave the prompt and say why."""
+    controls = ui["controls"]
+    for name, button in ui["prompt_buttons"].items():
+        own = [(p, c) for s, p, c in controls if s == name]
+
+        def write(prompt: str, *values, _name=name, _own=own):
+            strategy = REGISTRY[_name]
+            try:
+                params = build_params(strategy.Params, {p: v for (p, _), v in zip(_own, values, strict=True)})
+            except InputError as error:
+                gr.Warning(str(error))
+                return prompt
+            written = strategy.task_prompt[1](params)
+            if written is None:
+                gr.Warning("These settings have no question of their own (pasted text): type yours in the prompt.")
+                return prompt
+            return written
+
+        button.click(write, [ui["prompt"], *[c for _, c in own]], [ui["prompt"]], **LIGHT)
 
 
 def wire_control_visibility(controls: list[tuple[str, str, gr.components.Component]]) -> None:
@@ -197,7 +229,7 @@ def build_settings() -> dict:
     ui["preset"] = gr.Dropdown(
         presets_for("greedy", REGISTRY["greedy"].Params), value=DEFAULTS, label="Preset", elem_id="preset"
     )
-    ui["groups"], ui["controls"] = build_controls()
+    ui["groups"], ui["controls"], ui["prompt_buttons"] = build_controls()
     ui["max_new_tokens"] = gr.Slider(
         1, 1024, value=COMMON_DEFAULTS.max_new_tokens, step=1, label="max_new_tokens", elem_id="max-new-tokens"
     )
@@ -269,6 +301,7 @@ def build_run_tab() -> dict:
             api_inputs, api_trigger = build_api_inputs()
     ui["state"] = gr.State(None, time_to_live=STATE_TTL_S)
     wire_settings(ui)
+    wire_prompt_buttons(ui)
     controls = ui["controls"]
 
     def run_ui(

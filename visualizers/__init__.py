@@ -68,11 +68,14 @@ def inspect_step(strategy_name: str, events: list[Event], step: int, **knobs: fl
     return view.inspect(events, step, **{k: v for k, v in knobs.items() if k in view.knobs})
 
 
-def strategy_token_view(strategy_name: str, events: list[Event], selected_step: int | None = None) -> str:
-    """The token view with the strategy's highlighted steps (if it defines any)."""
+def strategy_token_view(
+    strategy_name: str, events: list[Event], selected_step: int | None = None, placeholder: str = ""
+) -> str:
+    """The token view with the strategy's highlighted steps (if it defines any); `placeholder`: what shows before
+    the first token (default: visualizers.tokens.PLACEHOLDER)."""
     view = strategy_view(strategy_name)
     steps = view.highlight_steps(events) if view.highlight_steps else set()
-    return token_view_html(events, selected_step, steps, view.highlight_label)
+    return token_view_html(events, selected_step, steps, view.highlight_label, placeholder)
 
 
 __all__ = [

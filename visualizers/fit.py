@@ -2,10 +2,10 @@
 
 Covered: `fit_figure(fig, width_px)`: axes grow their margins to hold their tick labels (plotly's automargin, so a
 long category label is never cut at the figure's edge); a horizontal legend sits in its own row between the title and
-the plot (room made for it) instead of over an axis title or a heatmap's colour bar; a title longer than the width
-wraps onto a second line (room made for it), anchored to the top of the figure. Not covered: tick labels that crowd
-each other inside a dense categorical axis, and text inside heatmap cells (`visualizers.labels.cell_text` decides that
-per figure).
+the plot (room made for it; above subplot titles) instead of over an axis title, a subplot title or a heatmap's colour
+bar; a title longer than the width wraps onto as many lines as it needs (room made for them), anchored to the top of
+the figure. Not covered: tick labels that crowd each other inside a dense categorical axis, and text inside heatmap
+cells (`visualizers.labels.cell_text` decides that per figure).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ DEFAULT_WIDTH_PX = 440  # the narrowest plot slot of the app's layout
 
 
 def _wrap(text: str, limit: int) -> str:
-    """Each line of the title (lines split at <br>) on at most two lines, broken at a space (or a separator) before
-    `limit` characters."""
+    """Each line of the title (lines split at <br>) on as many lines as it needs, each broken at a space (or a
+    separator) before `limit` characters."""
+    limit = max(limit, 12)
     if "<br>" in text:
         return "<br>".join(_wrap(line, limit) for line in text.split("<br>"))
     if _plain_length(text) <= limit:
@@ -34,7 +35,7 @@ def _wrap(text: str, limit: int) -> str:
     cut = max(text.rfind(sep, 0, limit) for sep in (" ", ":", ",", "·"))
     if cut <= limit // 3:
         cut = limit
-    return text[:cut].rstrip() + "<br>" + text[cut:].lstrip()
+    return text[:cut].rstrip() + "<br>" + _wrap(text[cut:].lstrip(), limit)
 
 
 def _plain_length(text: str) -> int:
@@ -46,6 +47,11 @@ def _legend_rows(fig: go.Figure, width: float) -> int:
     names = [t.name for t in fig.data if t.name and t.showlegend is not False]
     used = sum(LEGEND_ITEM_PX + LEGEND_CHAR_PX * _plain_length(n) for n in names)
     return max(1, math.ceil(used / max(width - 60, 100)))
+
+
+def _top_annotations(fig: go.Figure) -> bool:
+    """Whether text sits on the plot's top edge (make_subplots' subplot titles: paper y 1, anchored at the bottom)."""
+    return any(a.yref == "paper" and (a.y or 0) >= 1.0 and a.yanchor == "bottom" for a in fig.layout.annotations)
 
 
 def fit_figure(fig: go.Figure, width_px: float | None = None) -> go.Figure:
@@ -66,9 +72,12 @@ def fit_figure(fig: go.Figure, width_px: float | None = None) -> go.Figure:
     if any(t.type == "heatmap" and t.showlegend for t in fig.data):  # a side legend would cover the colour bar
         fig.update_layout(legend_orientation="h")
     if layout.legend.orientation == "h":  # legend rows between the title and the plot, never on an axis
-        fig.update_layout(legend={"y": 1.0, "yanchor": "bottom", "x": 0, "xanchor": "left"})
+        # above the subplot titles, which sit on the plot's top edge (every change here keeps the plot's height)
+        lift = LINE_PX if _top_annotations(fig) else 0
+        plot_px = max(height - top - (layout.margin.b if layout.margin.b is not None else 40), 40)
+        fig.update_layout(legend={"y": 1.0 + lift / plot_px, "yanchor": "bottom", "x": 0, "xanchor": "left"})
         rows = _legend_rows(fig, width)
-        top, height = top + rows * LEGEND_ROW_PX, height + rows * LEGEND_ROW_PX
+        top, height = top + rows * LEGEND_ROW_PX + lift, height + rows * LEGEND_ROW_PX + lift
     if title and (wrapped or layout.legend.orientation == "h"):
         # its first line TITLE_TOP_PX under the figure's top edge (plotly ignores the pad here), clear of the legend
         top, height = top + TITLE_TOP_PX // 2, height + TITLE_TOP_PX // 2

@@ -20,7 +20,6 @@ Imports plotly, the standard library and lab.trace only.
 
 from __future__ import annotations
 
-import html
 from collections import Counter
 
 import plotly.graph_objects as go
@@ -59,7 +58,7 @@ def node_status(tree: TreeRound) -> list[str]:
 
 def _hover(tree: TreeRound, i: int, status: str) -> str:
     return (
-        f"<b>{html.escape(display_token(tree.texts[i], escape=False))}</b> ({status})<br>"
+        f"<b>{display_token(tree.texts[i])}</b> ({status})<br>"
         f"position {tree.depths[i] + 1}, head {tree.heads[i] + 1}, rank {tree.ranks[i] + 1}<br>"
         f"q (drafter) = {tree.q[i]:.3f}<br>p (target) = {tree.p[i]:.3f}"
     )
@@ -97,7 +96,7 @@ def tree_figure(events: list[Event], step: int | None = None, collapse: bool = T
     if groups:
         hovers = [_group_hover(tree, hidden) for _, hidden in lay.groups]
         fig.add_trace(_marker(lay, groups, labels, "pruned (collapsed)", STATUS_COLORS["pruned"], hovers))
-    name = html.escape(display_token(tree.next_text, escape=False))
+    name = display_token(tree.next_text)
     hover = [f"<b>{name}</b>: the target's token ({tree.next_source})"]
     fig.add_trace(_marker(lay, ["next"], labels, tree.next_source, STATUS_COLORS[tree.next_source], hover))
     fig.data[-1].marker.symbol = "diamond"

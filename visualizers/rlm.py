@@ -14,12 +14,10 @@ Not covered: the answer's text (the token view shows it). Imports plotly, the st
 
 from __future__ import annotations
 
-import html
-
 import plotly.graph_objects as go
 
 from lab.trace import Event, ReplCall, RlmContext, RlmResult
-from visualizers.style import STATUS_COLORS, base_layout
+from visualizers.style import STATUS_COLORS, base_layout, plot_text
 from visualizers.topk import empty_figure
 from visualizers.view import StrategyView
 
@@ -39,7 +37,7 @@ ISOLATION_TEXT = {  # RlmContext.isolation -> what the REPL ran in (lab.methods.
 
 def _esc(text: str) -> str:
     """Prose for hover and table cells: HTML-escaped, newlines as line breaks."""
-    return html.escape(text, quote=True).replace("\n", "<br>")
+    return plot_text(text).replace("\n", "<br>")
 
 
 def _calls(events: list[Event]) -> list[ReplCall]:

@@ -16,14 +16,12 @@ extends the speculative view with the timeline. Imports plotly, the standard lib
 
 from __future__ import annotations
 
-import html
-
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from lab.trace import Event, PipelineSpan, SpeculationRound
 from visualizers.speculative import acceptance_figure, round_detail_figure, round_inspect, rounds_figure, speedup_figure
-from visualizers.style import STATUS_COLORS, base_layout, display_token
+from visualizers.style import STATUS_COLORS, base_layout, display_token, plot_text
 from visualizers.topk import empty_figure
 from visualizers.view import StrategyView
 
@@ -62,7 +60,7 @@ def timeline_figure(events: list[Event], max_rounds: int = 30) -> go.Figure:
     for what in sorted({s.what for s in spans}, key=lambda w: list(WORK_COLORS).index(w) if w in WORK_COLORS else 99):
         chosen = [s for s in spans if s.what == what]
         hovers = [
-            f"round {s.step} · {s.what} {html.escape(s.detail)}<br>{_row(s)}<br>"
+            f"round {s.step} · {s.what} {plot_text(s.detail)}<br>{_row(s)}<br>"
             f"{s.start * 1000:.1f} to {s.end * 1000:.1f} ms ({(s.end - s.start) * 1000:.1f} ms)"
             for s in chosen
         ]
@@ -89,8 +87,8 @@ def _speculation(events: list[Event]) -> list[SpeculationRound]:
 
 
 def _keys_hover(r: SpeculationRound) -> str:
-    keys = [f"k={k} {html.escape(display_token(t, escape=False))}" for k, t in zip(r.keys_k, r.keys_texts, strict=True)]
-    outcome = f"outcome: k={r.accepted}, then {html.escape(display_token(r.token_text, escape=False))}"
+    keys = [f"k={k} {display_token(t)}" for k, t in zip(r.keys_k, r.keys_texts, strict=True)]
+    outcome = f"outcome: k={r.accepted}, then {display_token(r.token_text)}"
     verdict = f"hit (rank {r.hit_rank + 1})" if r.hit else "miss"
     cached = ", ".join(keys[:12]) + (" ..." if len(keys) > 12 else "") or "nothing"
     return f"round {r.step}: {verdict}<br>{outcome}<br>cached: {cached}<br>alpha estimate {r.alpha:.3f}"

@@ -65,6 +65,11 @@ def display_token(text: str, escape: bool = True) -> str:
     return html.escape(shown, quote=False) if escape else shown
 
 
+def plot_text(text: str) -> str:
+    """Prose for plotly text (titles, labels, hover): markup escaped, quotes kept (plotly prints &quot; as is)."""
+    return html.escape(text, quote=False)
+
+
 def distinct_labels(labels: list[str]) -> list[str]:
     """Make repeated labels distinct by appending one zero-width non-joiner per earlier occurrence, so plotly
     never merges equal strings (categorical axes, cell texts); the labels look unchanged."""

@@ -82,14 +82,17 @@ def token_view_html(
     selected_step: int | None = None,
     highlight_steps: set[int] | frozenset[int] = frozenset(),
     highlight_label: str = "",
+    placeholder: str = "",
 ) -> str:
     """The generated text as one coloured <span> per TokenEmitted (background = `source`), each with a hover
     title listing the top-k alternatives and probabilities and a `data-step` attribute; spans of
     `selected_step` are outlined, spans of `highlight_steps` underlined (e.g. where DoLa differs from greedy,
-    explained by `highlight_label` in the legend). Returns a placeholder paragraph when no token was emitted yet."""
+    explained by `highlight_label` in the legend). Returns a placeholder paragraph when no token was emitted yet
+    (`placeholder`, escaped here, says what the run is doing meanwhile; default PLACEHOLDER)."""
     tokens = _tokens(events)
     if not tokens:
-        return f'<p class="dl-placeholder" style="color: #64748b; font-style: italic;">{PLACEHOLDER}</p>'
+        text = html.escape(placeholder or PLACEHOLDER, quote=False)
+        return f'<p class="dl-placeholder" style="color: #64748b; font-style: italic;">{text}</p>'
     spans = "".join(_token_span(i, e, selected_step, e.step in highlight_steps) for i, e in enumerate(tokens))
     legend = _legend([e.source for e in tokens])
     if highlight_steps and highlight_label:

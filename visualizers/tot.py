@@ -17,14 +17,21 @@ Draws only what the trace recorded. Imports plotly, the standard library and lab
 
 from __future__ import annotations
 
-import html
 import textwrap
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from lab.trace import Event, ThoughtNode, ThoughtResult, ThoughtStep, TokenEmitted, verdict_agreement
-from visualizers.style import STATUS_COLORS, base_layout
+from lab.trace import (
+    Event,
+    ThoughtNode,
+    ThoughtResult,
+    ThoughtStep,
+    TokenEmitted,
+    search_counters,
+    verdict_agreement,
+)
+from visualizers.style import STATUS_COLORS, base_layout, plot_text
 from visualizers.topk import empty_figure
 from visualizers.view import StrategyView
 
@@ -76,7 +83,7 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 
 
 def _hover(node: ThoughtNode) -> str:
-    text = "<br>".join(html.escape(line) for line in textwrap.wrap(node.text, 60)[:12]) or "∅"
+    text = "<br>".join(plot_text(line) for line in textwrap.wrap(node.text, 60)[:12]) or "∅"
     parts = [f"<b>node {node.node_id}</b> · depth {node.depth} · step {node.step} · {node.status}", text]
     if node.value is not None:
         detail = f"V = {_fmt(node.value)} ({node.value_source}"
@@ -86,19 +93,14 @@ def _hover(node: ThoughtNode) -> str:
         parts.append("solver: " + ("still solvable" if node.solver_value == 1.0 else "cannot reach 24"))
     if node.logprob is not None:
         parts.append(f"log p(thought | legal) = {node.logprob:.2f}")
-    parts.append(f"model calls {node.model_calls} · tokens {node.tokens}")
+    parts.append(f"model calls {node.model_calls} · tokens {node.tokens:,}")
     return "<br>".join(parts)
 
 
 def _label(text: str) -> str:
     first = text.splitlines()[0] if text else ""
     first = first.split(" (left:")[0]
-    return html.escape(first if len(first) <= MAX_LABEL else first[: MAX_LABEL - 1] + "…")
-
-
-def _counters(events: list[Event]) -> tuple[int, int]:
-    last = next((e for e in reversed(events) if isinstance(e, (ThoughtNode, ThoughtStep, ThoughtResult))), None)
-    return (last.model_calls, last.tokens) if last else (0, 0)
+    return plot_text(first if len(first) <= MAX_LABEL else first[: MAX_LABEL - 1] + "…")
 
 
 def _edges(nodes: dict[int, ThoughtNode], pos: dict[int, tuple[int, float]]) -> go.Scatter:
@@ -142,9 +144,9 @@ def tree_figure(events: list[Event]) -> go.Figure:
     if not nodes:
         return empty_figure("Tree of Thoughts: search tree", PLACEHOLDER)
     pos = layered_layout(nodes)
-    calls, tokens = _counters(events)
+    calls, tokens = search_counters(events)
     leaves = len({y for _, y in pos.values()})
-    title = f"Search tree · {len(nodes)} thoughts · {calls} model calls · {tokens} tokens"
+    title = f"Search tree · {len(nodes)} thoughts · {calls} model calls · {tokens:,} tokens"
     fig = go.Figure(layout=base_layout(title, max(320, min(900, 14 * leaves + 120))))
     fig.add_trace(_edges(nodes, pos))
     result = _result(events)

@@ -3,17 +3,38 @@
 Covered: `speed_vs_greedy` (an acceleration method's tokens/s over a greedy run's on the same prompt and model,
 and when it is below 1x the one-line reason: what a round cost in greedy decode steps, verify and drafting apart,
 against the tokens a round emitted), `key_quantities` (each method's own number: Mirostat's observed surprise
-against its target tau, CFG's gamma, DoLa's chosen premature layer) and `fmt` (sensible precision: rates and
+against its target tau, CFG's gamma, DoLa's chosen premature layer), `system2_quantities` (what a Tree of Thoughts
+or RLM run is about, in place of tokens/s and forwards/token, which mean nothing for a search or a REPL loop),
+`progress_line` (what such a run has done before its answer's tokens exist) and `fmt` (sensible precision: rates and
 ratios to 2 decimals, tokens/s to 1). Not covered: timing greedy on demand (the caller supplies a greedy run it
 has, e.g. a recent one from the shared lane's cache).
 """
 
 from __future__ import annotations
 
+import html
 from collections import Counter
 from dataclasses import dataclass
 
-from lab.trace import DraftRound, Event, GuidanceStep, LayerContrast, MirostatStep, RunFinished, TreeRound, summarize
+from lab.trace import (
+    DraftRound,
+    Event,
+    GuidanceStep,
+    LayerContrast,
+    MirostatStep,
+    ReplCall,
+    RlmContext,
+    RlmResult,
+    RunFinished,
+    ThoughtNode,
+    ThoughtResult,
+    ThoughtStep,
+    TreeRound,
+    search_counters,
+    summarize,
+)
+
+CELL_CHARS = 60  # an answer longer than this is cut in the stats table (the token view holds all of it)
 
 
 @dataclass(frozen=True)
@@ -86,3 +107,55 @@ def key_quantities(events: list[Event]) -> list[tuple[str, str]]:
         layer, count = Counter(layers).most_common(1)[0]
         return [("chosen layer", f"{layer} ({count} of {len(layers)} steps)")]
     return []
+
+
+def _cell(text: str) -> str:
+    """Model text as one markdown table cell: one line, cut to CELL_CHARS, pipes and markup escaped."""
+    line = " ".join(text.split())
+    line = line if len(line) <= CELL_CHARS else line[: CELL_CHARS - 1] + "…"
+    return html.escape(line, quote=False).replace("|", "\\|") or "(empty)"
+
+
+def _latest(events: list[Event], kind: type):
+    return next((e for e in reversed(events) if isinstance(e, kind)), None)
+
+
+def system2_quantities(events: list[Event]) -> list[tuple[str, str]] | None:
+    """The numbers a system-2 run is about (None for other runs). Tree of Thoughts: model calls and tokens run (the
+    counters its figures show, `lab.trace.search_counters`), forwards, and whether the answer solves the task.
+    RLM: root turns and sub-calls (counted from the call tree as it streams), tokens over all calls, and the answer
+    beside the expected one with the verdict (the expected answer is known when the question asked is the task's
+    own)."""
+    context = _latest(events, RlmContext)
+    if context is not None:
+        calls = [e for e in events if isinstance(e, ReplCall)]
+        result = _latest(events, RlmResult)
+        rows = [
+            ("root turns", str(sum(c.role == "root" for c in calls))),
+            ("sub-calls", str(sum(c.role == "sub" for c in calls))),
+            ("tokens, all calls", f"{sum(c.prompt_tokens + c.output_tokens for c in calls):,}"),
+            ("answer", _cell(result.answer) if result else "…"),
+            ("expected", _cell(context.expected) if context.expected else "unknown (not the task's own question)"),
+        ]
+        if result is not None and result.correct is not None:
+            rows.append(("verdict", "correct" if result.correct else "wrong"))
+        return rows
+    if not any(isinstance(e, ThoughtNode | ThoughtStep | ThoughtResult) for e in events):
+        return None
+    calls, tokens = search_counters(events)
+    result = _latest(events, ThoughtResult)
+    finished = _latest(events, RunFinished)
+    forwards = finished.target_forwards if finished else result.forwards if result else None
+    rows = [("model calls", str(calls)), ("tokens run", f"{tokens:,}"), ("forwards", fmt(forwards))]
+    if result is not None and result.solved is not None:
+        rows.append(("solved", "yes" if result.solved else "no"))
+    return rows
+
+
+def progress_line(events: list[Event]) -> str:
+    """What a system-2 run has done so far, for the token view before the answer's tokens exist ("" otherwise)."""
+    quantities = system2_quantities(events)
+    if not quantities:
+        return ""
+    counts = [f"{value} {label}" for label, value in quantities[:3] if label != "forwards"]
+    return f"Working: {', '.join(counts)} so far. The answer's tokens appear here when the run answers."

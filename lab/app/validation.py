@@ -35,13 +35,17 @@ class RunRequest:
     precision: str = "auto"  # weight format of the model's linears (lab.engine.quant.PRECISIONS)
 
 
-def validate_prompt(prompt: Any) -> str:
+CONTINUE = "something for the model to continue"  # what a prompt holds unless the strategy says otherwise
+
+
+def validate_prompt(prompt: Any, needs: str = CONTINUE) -> str:
+    """The prompt as given, or InputError: not text, over the limit, or empty (the message says what it `needs`)."""
     if not isinstance(prompt, str):
         raise InputError("The prompt must be text.")
     if len(prompt) > MAX_PROMPT_CHARS:
         raise InputError(f"The prompt has {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}.")
     if not prompt.strip():
-        raise InputError("The prompt is empty; type something for the model to continue.")
+        raise InputError(f"The prompt is empty; type {needs}.")
     return prompt
 
 
@@ -81,7 +85,7 @@ def validate_request(
     return RunRequest(
         found,
         built,
-        validate_prompt(prompt),
+        validate_prompt(prompt, found.prompt_hint(built) if found.prompt_hint else CONTINUE),
         bool(chat),
         validate_seed(seed),
         validate_model_spec(model),

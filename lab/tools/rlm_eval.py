@@ -60,7 +60,7 @@ class TaskRun:
 
 def task_params(kind: str, size: int, seed: int, extra: dict | None = None):
     """The `rlm` strategy's Params for one task: its defaults, the task, plus `extra`."""
-    values = {"task": kind, "context_tokens": size, "task_seed": seed, **(extra or {})}
+    values = {"task": kind, "context_tokens": size, "task_seed": seed, "use_task_question": True, **(extra or {})}
     return build_params(get_strategy("rlm").Params, values)
 
 

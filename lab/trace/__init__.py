@@ -46,6 +46,7 @@ from lab.trace.system2 import (
     ThoughtNode,
     ThoughtResult,
     ThoughtStep,
+    search_counters,
     verdict_agreement,
 )
 
@@ -84,5 +85,6 @@ __all__ = [
     "speculation_stats",
     "summarize",
     "to_json",
+    "search_counters",
     "verdict_agreement",
 ]

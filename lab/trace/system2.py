@@ -84,6 +84,15 @@ class ThoughtResult:
     compared: int = 0
 
 
+def search_counters(events: Iterable[object]) -> tuple[int, int]:
+    """(model calls, tokens) of a Tree of Thoughts run so far: the totals its latest node, step or result carries.
+    The one reading the ToT figures and the run's stats share, so they say the same numbers."""
+    last = None
+    for event in events:
+        last = event if isinstance(event, ThoughtNode | ThoughtStep | ThoughtResult) else last
+    return (last.model_calls, last.tokens) if last else (0, 0)
+
+
 @event_kind
 @dataclass(frozen=True)
 class RlmContext:

@@ -13,7 +13,8 @@ import re
 
 import pytest
 
-from lab.trace import TokenEmitted, from_json
+from lab.methods.rlm import tasks
+from lab.trace import ReplCall, RlmContext, RlmResult, TokenEmitted, from_json
 from tests.e2e import ui
 
 pytestmark = [pytest.mark.e2e, pytest.mark.embedded]
@@ -168,6 +169,7 @@ def test_prompt_lookup_speculative_draws_its_rounds_live(page, artifacts, screen
     assert speedup, f"no speedup against the greedy run in the stats: {stats}"
     if float(speedup.group(1)) < 1.0:
         assert "greedy decode steps" in speedup.group(3), stats
+    assert not ui.figure_problems(page, name="speculative (live)"), ui.figure_problems(page, name="speculative (live)")
     screenshot(page, "04-speculative")
 
 
@@ -206,3 +208,56 @@ def test_stop_ends_a_long_run_as_a_result_and_the_next_run_works(page, artifacts
     ui.wait_for_new_trace(page, name)
     assert 1 <= ui.token_spans(page).count() <= 4
     assert error_badges(page) == 0
+
+
+def test_system_2_runs_say_what_they_need_and_what_they_did(page, artifacts, screenshot):
+    """Tree of Thoughts: an empty prompt is told it needs the Game of 24 hand, and the stats count the model calls
+    and tokens its figure's title counts (no tokens/s). RLM: the prompt is the question asked, the task's own only
+    when chosen (its button writes it into the prompt); while it runs the token view and stats count root turns
+    and sub-calls; at the end the stats put the answer beside the expected one; figure text shows quotes as
+    quotes."""
+    ui.choose(page, "strategy", re.compile(r"› tot$"))
+    ui.prompt_box(page).fill("")
+    ui.button(page, "run-button").click()
+    ui.wait_until(
+        lambda: "Game of 24 hand" in page.locator("#stats").inner_text(), "ToT's empty prompt refused", 60, page
+    )
+    ui.prompt_box(page).fill("4 9 10 13")
+    ui.set_number(page, "param-tot-k", 3)
+    ui.set_number(page, "param-tot-breadth", 2)
+    ui.set_number(page, "max-new-tokens", 16)
+    run_and_watch(page)
+    stats = ui.wait_until_stable(page, lambda: ui.stats_table(page), quiet_ms=500)
+    title = ui.plot_data(page, "main-plot")["title"].replace("<br>", " ")
+    calls, tokens = re.search(r"(\d+) model calls · ([\d,]+) tokens", title).groups()
+    assert (stats.get("model calls"), stats.get("tokens run")) == (calls, tokens), (stats, title)
+    assert "tokens/s" not in stats and "forwards/token" not in stats, stats
+    page.wait_for_timeout(1000)  # let plotly finish every layout
+    assert not ui.figure_problems(page, name="tot (live)"), ui.figure_problems(page, name="tot (live)")
+
+    ui.choose(page, "strategy", re.compile(r"› rlm$"))
+    ui.set_number(page, "param-rlm-context_tokens", 1000)
+    ui.set_number(page, "param-rlm-max_iterations", 2)
+    ui.prompt_box(page).fill("Describe the logs.")
+    ui.button(page, "rlm-task-prompt").click()
+    own = tasks.make_task("needle", 1000, 0)
+    ui.wait_until(lambda: ui.prompt_box(page).input_value() == own.question, "the task's question in the prompt")
+    previous = ui.trace_file_name(page)
+    ui.button(page, "run-button").click()
+    ui.wait_until(lambda: "Working:" in page.locator("#token-view").inner_text(), "the live progress line", 120, page)
+    assert "root turns" in ui.stats_table(page) and ui.trace_file_name(page) == previous
+    name = ui.wait_for_new_trace(page, previous)
+    stats = ui.wait_until_stable(page, lambda: ui.stats_table(page), quiet_ms=500)
+    _, trace = download_trace(page, artifacts, name)
+    context = next(e for e in trace.events if isinstance(e, RlmContext))
+    result = next(e for e in trace.events if isinstance(e, RlmResult))
+    assert context.question == own.question and stats["expected"] == own.answer, stats
+    assert stats["verdict"] == ("correct" if result.correct else "wrong") and stats["answer"], stats
+    calls = [e for e in trace.events if isinstance(e, ReplCall)]
+    assert stats["root turns"] == str(sum(c.role == "root" for c in calls)), stats
+    assert stats["sub-calls"] == str(sum(c.role == "sub" for c in calls)), stats
+    drawn = page.evaluate("() => document.querySelector('#main-plot').textContent")
+    assert "&quot;" not in drawn and "&#x27;" not in drawn and "&amp;" not in drawn
+    page.wait_for_timeout(1000)
+    assert not ui.figure_problems(page, name="rlm (live)"), ui.figure_problems(page, name="rlm (live)")
+    screenshot(page, "06-rlm")

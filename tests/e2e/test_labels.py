@@ -22,21 +22,6 @@ pytestmark = [pytest.mark.e2e]
 APP_ENV = {"DECODING_LAB_NO_WARM": "1"}
 EXAMPLES = {"eagle": "EAGLE-2 draft tree", "medusa": "Candidate tree", "mtpc": "Candidate tree", "speculative": "Draft"}
 MIN_LABELS = 8
-TOLERANCE_PX = 0.5
-
-
-def overlaps(boxes: list[dict]) -> list[tuple[str, str]]:
-    pairs = []
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1 :]:
-            if (
-                a["l"] < b["r"] - TOLERANCE_PX
-                and b["l"] < a["r"] - TOLERANCE_PX
-                and a["t"] < b["b"] - TOLERANCE_PX
-                and b["t"] < a["b"] - TOLERANCE_PX
-            ):
-                pairs.append((a["text"], b["text"]))
-    return pairs
 
 
 def open_example(page, name: str) -> None:
@@ -65,7 +50,7 @@ def test_no_two_tree_labels_overlap(page, screenshot, name: str, viewport: tuple
     open_example(page, name)
     boxes = ui.label_boxes(page, "replay-main-plot")
     assert len(boxes) >= MIN_LABELS, f"{name}: only {len(boxes)} labels drawn"
-    assert not overlaps(boxes), f"{name} at {viewport}: overlapping labels {overlaps(boxes)[:5]}"
+    assert not ui.overlaps(boxes), f"{name} at {viewport}: overlapping labels {ui.overlaps(boxes)[:5]}"
     if viewport == (1400, 1000):
         screenshot(page, "replay" if name == "eagle" else f"labels-{name}")
 
@@ -77,7 +62,7 @@ def test_the_inspectors_full_width_tree_has_no_overlapping_labels(page):
     ui.wait_until(lambda: len(ui.label_boxes(page, "replay-inspect-plot")) >= MIN_LABELS, "the inspector", 60, page)
     page.wait_for_timeout(500)
     boxes = ui.label_boxes(page, "replay-inspect-plot")
-    assert not overlaps(boxes), overlaps(boxes)[:5]
+    assert not ui.overlaps(boxes), ui.overlaps(boxes)[:5]
 
 
 def test_clicking_a_token_of_a_round_inspects_that_token_and_scrolls_to_it(page, screenshot):
@@ -113,30 +98,6 @@ def test_clicking_a_token_of_a_round_inspects_that_token_and_scrolls_to_it(page,
     screenshot(page, "inspector-1280x720")
 
 
-PLOTS = ["replay-main-plot"] + [f"replay-detail-plot-{i}" for i in range(1, 6)]
-# text kinds that must never be cut by their figure nor drawn over other text: titles, axis titles, legend items
-FRAMED = ("g-gtitle", "g-xtitle", "g-ytitle", "traces", "legend")
-
-
-def clipped_and_covering(drawn: dict) -> list[str]:
-    """Texts cut by the figure's frame (a plotly Table's cells scroll, so they are left out), and titles or legend
-    items drawn over any other text. Tick labels crowding each other inside one dense categorical axis are not
-    counted (not fixed yet)."""
-    frame, texts = drawn["frame"], drawn["texts"]
-    problems = []
-    for t in texts:
-        outside = t["l"] < frame["l"] - TOLERANCE_PX or t["r"] > frame["r"] + TOLERANCE_PX
-        outside = outside or t["t"] < frame["t"] - TOLERANCE_PX or t["b"] > frame["b"] + TOLERANCE_PX
-        if outside and "cell-text" not in t["cls"]:
-            problems.append(f"cut: {t['text'][:40]!r} ({t['cls']})")
-    framed = [t for t in texts if any(k in t["cls"] for k in FRAMED) and "textpoint" not in t["cls"]]
-    for a in framed:
-        for b in texts:
-            if a is not b and overlaps([a, b]) and not (b in framed and id(b) < id(a)):
-                problems.append(f"over: {a['text'][:30]!r} ({a['cls']}) / {b['text'][:30]!r} ({b['cls']})")
-    return problems
-
-
 def test_no_figure_text_is_cut_and_no_title_or_legend_covers_text(page):
     """Every strategy's shipped example in Replay at 1400 x 1000: in every drawn figure (main and details), measured
     from the SVG, no text box lies outside its figure and no title, axis title or legend item overlaps other text."""
@@ -148,8 +109,5 @@ def test_no_figure_text_is_cut_and_no_title_or_legend_covers_text(page):
         ui.wait_until(lambda name=name: f"strategy {name}," in status.inner_text(), name, 30, page)
         ui.wait_until(lambda: ui.text_boxes(page, "replay-main-plot"), f"{name}'s figure", 60, page)
         page.wait_for_timeout(1500)  # let plotly finish every layout
-        for plot in PLOTS:
-            drawn = ui.text_boxes(page, plot)
-            if drawn and page.locator(f"#{plot}").is_visible():
-                found += [f"{name} {plot}: {p}" for p in clipped_and_covering(drawn)]
+        found += ui.figure_problems(page, "replay-", name)
     assert not found, "\n".join(found[:30])

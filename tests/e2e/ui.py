@@ -201,3 +201,68 @@ def wait_until_stable(page, read, quiet_ms: int, timeout_s: float = 30):
         if current != value:
             value, since = current, time.monotonic()
     return value
+
+
+def stats_table(page: Page, prefix: str = "") -> dict[str, str]:
+    """The stats table as {column name: value} (the markdown table's header cells and its one row)."""
+    return page.evaluate(
+        """(id) => {
+             const heads = Array.from(document.querySelectorAll('#' + id + ' th'));
+             const cells = Array.from(document.querySelectorAll('#' + id + ' td'));
+             return Object.fromEntries(heads.map((th, i) => [th.innerText.trim(), (cells[i] || {}).innerText || '']));
+           }""",
+        f"{prefix}stats",
+    )
+
+
+TOLERANCE_PX = 0.5
+# text kinds that must never be cut by their figure nor drawn over other text: titles, axis titles, legend items
+FRAMED = ("g-gtitle", "g-xtitle", "g-ytitle", "traces", "legend")
+
+
+def clipped_and_covering(drawn: dict) -> list[str]:
+    """Texts cut by the figure's frame (a plotly Table's cells scroll, so they are left out), and titles or legend
+    items drawn over any other text. Tick labels crowding each other inside one dense categorical axis are not
+    counted (not fixed yet)."""
+    frame, texts = drawn["frame"], drawn["texts"]
+    problems = []
+    for t in texts:
+        outside = t["l"] < frame["l"] - TOLERANCE_PX or t["r"] > frame["r"] + TOLERANCE_PX
+        outside = outside or t["t"] < frame["t"] - TOLERANCE_PX or t["b"] > frame["b"] + TOLERANCE_PX
+        if outside and "cell-text" not in t["cls"]:
+            problems.append(f"cut: {t['text'][:40]!r} ({t['cls']})")
+    framed = [t for t in texts if any(k in t["cls"] for k in FRAMED) and "textpoint" not in t["cls"]]
+    for a in framed:
+        for b in texts:
+            if a is not b and overlaps([a, b]) and not (b in framed and id(b) < id(a)):
+                problems.append(f"over: {a['text'][:30]!r} ({a['cls']}) / {b['text'][:30]!r} ({b['cls']})")
+    return problems
+
+
+def overlaps(boxes: list[dict]) -> list[tuple[str, str]]:
+    pairs = []
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            if (
+                a["l"] < b["r"] - TOLERANCE_PX
+                and b["l"] < a["r"] - TOLERANCE_PX
+                and a["t"] < b["b"] - TOLERANCE_PX
+                and b["t"] < a["b"] - TOLERANCE_PX
+            ):
+                pairs.append((a["text"], b["text"]))
+    return pairs
+
+
+def figure_ids(prefix: str = "") -> list[str]:
+    """The element ids of a run's figures: the main plot and the detail plots."""
+    return [f"{prefix}main-plot"] + [f"{prefix}detail-plot-{i}" for i in range(1, 6)]
+
+
+def figure_problems(page: Page, prefix: str = "", name: str = "") -> list[str]:
+    """`clipped_and_covering` over every drawn, visible figure of a run's views."""
+    found = []
+    for plot in figure_ids(prefix):
+        drawn = text_boxes(page, plot)
+        if drawn and page.locator(f"#{plot}").is_visible():
+            found += [f"{name} {plot}: {p}" for p in clipped_and_covering(drawn)]
+    return found

@@ -211,6 +211,12 @@ class Question(TextTask):
 
 
 TASKS = {"game24": Game24, "creative": Creative, "question": Question}
+# what each task reads from the prompt box (the empty-prompt message and the text tasks' refusal say it)
+INPUTS = {
+    "game24": f"{game24.MIN_NUMBERS} to {game24.MAX_NUMBERS} whole numbers, the Game of 24 hand (such as 4 9 10 13)",
+    "creative": "the sentences (or the topic) to write about",
+    "question": "the question to reason about",
+}
 
 
 def make_task(name: str, text: str, steps: int, max_tokens: int) -> Game24 | TextTask:
@@ -221,7 +227,7 @@ def make_task(name: str, text: str, steps: int, max_tokens: int) -> Game24 | Tex
     task = TASKS[name](text)
     if isinstance(task, TextTask):
         if not task.text:
-            raise InputError("Type a question or the sentences to write about.")
+            raise InputError(f"The {name} task needs {INPUTS[name]}; the prompt is empty.")
         task.max_tokens = max_tokens
         if isinstance(task, Question):
             task.depth = steps
