@@ -197,14 +197,14 @@ def trace_prefix(trace: Trace, n: int) -> Trace:
     return dataclasses.replace(trace, events=trace.events[:n])
 
 
-def session_pace(request: gr.Request | None) -> PaceControl:
-    """The PaceControl of the browser session making `request`."""
-    return PACE.get(getattr(request, "session_hash", None) or "anonymous")
+def session_pace(request: gr.Request | None, registry: PaceRegistry = PACE) -> PaceControl:
+    """The PaceControl of the browser session making `request` (in `registry`: the Run tab's by default)."""
+    return registry.get(getattr(request, "session_hash", None) or "anonymous")
 
 
-def start_pacing(request: gr.Request | None, pace: str) -> PaceControl:
-    """The session's PaceControl, reset for a new live run at the chosen pace."""
-    control = session_pace(request)
+def start_pacing(request: gr.Request | None, pace: str, registry: PaceRegistry = PACE) -> PaceControl:
+    """The session's PaceControl (in `registry`: the Run tab's by default), reset for a new live run at `pace`."""
+    control = session_pace(request, registry)
     control.set_pace(pace)
     control.step(-control.snapshot()[1])
     control.stop_requested = False

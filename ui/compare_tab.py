@@ -1,7 +1,9 @@
 """The Compare tab: the same prompt and seed through 2-4 strategies (their default parameters), streamed one
 after another into side-by-side columns (token view, speed, acceptance and tau, main view), then a token diff
 of each output against the first and a summary table (`lab.app.compare`). Clicking a token in any column opens
-that run's step in the tab's inspector. The runs share one time budget of MAX_RUN_SECONDS.
+that run's step in the tab's inspector. The runs share one time budget of MAX_RUN_SECONDS. Stop ends the
+comparison as a result, as the Run tab's does: the run in progress keeps what it streamed ("stopped by you"), the
+runs after it are not started, and the diff and summary cover the runs there are.
 """
 
 from __future__ import annotations
@@ -12,13 +14,17 @@ import gradio as gr
 
 from lab.app import compare
 from lab.app.compare import MAX_COMPARED
+from lab.app.pacing import REALTIME, PaceRegistry
 from lab.trace import Trace
 from strategies import REGISTRY
 from ui.common import (
+    LIGHT,
     MAX_RUN_SECONDS,
     MODEL_QUEUE,
     STATE_TTL_S,
     checked_request,
+    session_pace,
+    start_pacing,
     stats_line,
     strategy_choices,
     stream_trace,
@@ -38,6 +44,7 @@ DEFAULT_COMPARED = [name for name in ("greedy", "speculative", "sample") if name
 
 
 COLUMN_PLOT_PX = 240  # plot width of one of four columns on a 1400 px page
+STOPS = PaceRegistry()  # per browser session: the Compare tab's own Stop (the Run tab's pace is not touched)
 
 
 def _requests(names: list[str], prompt: str, seed, max_new_tokens, options: dict) -> list:
@@ -75,21 +82,33 @@ def _final(traces: list[Trace], statuses: list[str]) -> list:
     return visible + columns + [diff_html(traces[0].strategy, diffs), summary, {"traces": traces}]
 
 
-def compare_runs(names, prompt, seed, max_new_tokens, chat, model, device, dtype, precision="auto"):
-    """Stream each strategy in turn into its column, then the diff and the summary."""
+def compare_runs(
+    request: gr.Request, names, prompt, seed, max_new_tokens, chat, model, device, dtype, precision="auto"
+):
+    """Stream each strategy in turn into its column, then the diff and the summary; Stop (`stop_compare`) ends the
+    run in progress as a result and starts no more."""
     options = {"chat": chat, "model": model, "device": device, "dtype": dtype, "precision": precision}
     requests = _requests(names, prompt, seed, max_new_tokens, options)
+    control = start_pacing(request, REALTIME, STOPS)
     deadline = time.monotonic() + MAX_RUN_SECONDS
     traces, statuses = [], []
-    for index, request in enumerate(requests):
-        if time.monotonic() > deadline:
-            break
-        for trace, final, status, _full in stream_trace(request, deadline):
-            if final:
-                traces.append(trace)
-                statuses.append(status)
-            yield _frame(index, _column(trace, status), len(requests))
-    yield _final(traces, statuses)
+    try:
+        for index, run in enumerate(requests):
+            if time.monotonic() > deadline or control.stop_requested:
+                break
+            for trace, final, status, _full in stream_trace(run, deadline, control=control):
+                if final:
+                    traces.append(trace)
+                    statuses.append(status)
+                yield _frame(index, _column(trace, status), len(requests))
+        yield _final(traces, statuses)
+    finally:
+        control.live = False
+
+
+def stop_compare(request: gr.Request) -> None:
+    """The Compare tab's Stop: the comparison in progress ends with what it has (`compare_runs`)."""
+    session_pace(request, STOPS).request_stop()
 
 
 def build_compare_tab(settings: dict) -> None:
@@ -129,10 +148,9 @@ def build_compare_tab(settings: dict) -> None:
     state = gr.State(None, time_to_live=STATE_TTL_S)
     inputs = [names, prompt, seed, budget, settings["chat"], settings["model"], settings["device"], settings["dtype"]]
     inputs.append(settings["precision"])
-    event = run.click(
-        compare_runs, inputs, columns + outputs + [diff, summary, state], api_name="compare", **MODEL_QUEUE
-    )
-    stop.click(None, None, None, cancels=[event])
+    run.click(compare_runs, inputs, columns + outputs + [diff, summary, state], api_name="compare", **MODEL_QUEUE)
+    # Stop ends the comparison as a result (cancelling the event would put Gradio's red Error badge on every output)
+    stop.click(stop_compare, None, None, **LIGHT)
     sources = [(outputs[i * COLUMN_OUTPUTS + 1], lambda value, _i=i: _trace(value, _i)) for i in range(MAX_COMPARED)]
     wire_inspector(inspector, state, sources)
 

@@ -261,3 +261,22 @@ def test_system_2_runs_say_what_they_need_and_what_they_did(page, artifacts, scr
     page.wait_for_timeout(1000)
     assert not ui.figure_problems(page, name="rlm (live)"), ui.figure_problems(page, name="rlm (live)")
     screenshot(page, "06-rlm")
+
+
+def test_compare_stop_ends_the_comparison_as_a_result(page):
+    """The Compare tab's own Stop: no Error badge; the run in progress keeps its tokens and says "stopped by you",
+    the runs after it do not start, and the summary covers the run there is."""
+    ui.tab(page, "Compare")
+    page.locator("#compare-prompt textarea").fill(STORY_PROMPT)
+    ui.set_number(page, "compare-tokens-max", 256)
+    ui.button(page, "compare-run").click()
+    first = page.locator("#compare-tokens-0 span.dl-token")
+    ui.wait_until(lambda: first.count() >= 5, "the first column's tokens", page=page)
+    ui.button(page, "compare-stop").click()
+    summary = page.locator("#compare-summary")
+    ui.wait_until(lambda: "greedy" in summary.inner_text(), "the summary of the stopped comparison", 60, page)
+    assert error_badges(page) == 0, "a stopped comparison is a result, not an error"
+    assert "stopped by you" in page.locator("#compare-stats-0").inner_text()
+    assert 5 <= first.count() < 256
+    assert page.locator("#compare-tokens-1 span.dl-token").count() == 0  # the next run never started
+    ui.tab(page, "Run")
