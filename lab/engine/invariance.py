@@ -22,21 +22,22 @@ What makes a multi-token forward round differently from a one-token step, and wh
   (SmolLM2-135M: 576 -> 576, 192, 1536, 49152; 1536 -> 576) 90-95% of the elements of every product of fewer
   than 16 rows differ from the same rows of a 17-row product, 2D, 3D and doubled rows alike (e.g. 44839 of the
   LM head's 49152 outputs for one row), so the two-row trick does not help; products of 4 to 15 rows by 576 -> 576
-  or 576 -> 192 also differ between 1 and 2 threads (e.g. 2620 of 2880 elements for 5 rows) - the busy-machine
-  case of the thread policy. At hidden 64, 1- and 2-row products differ, no thread dependence. Rows of 16 or more
-  agree with each other and across thread counts. The fix: MKL's strict conditional numerical reproducibility
-  (`mkl_cbwr_set(AUTO | STRICT)`, what `MKL_CBWR=AUTO,STRICT` sets; `_set_strict_blas`, when this module is imported,
-  which must be before MKL's first product in the process): with it no element of those products differs for any
-  row count, 2D or 3D, at 1 or 2 threads (float64 products run under the same mode). Float32 models get the
-  float64 attention and the two-row linears as bf16 ones do (with strict MKL one row already takes the order of
-  many; the 2D product is what its guarantee names). Where strict mode cannot be set (no MKL: aarch64 / macOS
-  builds; or a product ran before lab was imported) float32 models are left plain and a warning says why
-  (`BLAS_NOT_STRICT`).
+  or 576 -> 192 also differ between 1 and 2 threads (e.g. 2620 of 2880 elements for 5 rows): the busy-machine
+  case of the thread policy. At hidden 64, products of 1 and 2 rows (128 -> 64: up to 5) differ, with no thread
+  dependence. Rows of 16 or more agree with each other and across thread counts. The fix: MKL's strict
+  conditional numerical reproducibility (`mkl_cbwr_set(AUTO | STRICT)`, what `MKL_CBWR=AUTO,STRICT` sets), turned
+  on by `_set_strict_blas` when this module is imported, which must be before MKL's first product in the process.
+  With it no element of those products differs for any row count (1 to 33), 2D or 3D, at 1 to 16 threads
+  (oversubscribed on 2 cores); float64 products run under the same mode. Float32 models get the float64 attention
+  and the two-row linears as bf16 ones do (with strict MKL one row already takes the order of many; the 2D product
+  is what its guarantee names). Where strict mode cannot be set (no MKL: aarch64 / macOS builds; or a product ran
+  before lab was imported) float32 models are left plain and a warning says why (`BLAS_NOT_STRICT`).
   What it costs, float32, one decode step of a random model of SmolLM2-135M's shapes on this project's 2-core test
   machine (Python loop): 65 -> 120 ms at 1 thread, 39 -> 77 ms at 2 (strict MKL computes a one-row product as it
   does a 16-row one: the LM head's 8 -> 22 ms), while a 9-row verify forward costs the same or less (143 -> 134 ms
   at 1 thread). bf16 decode steps are unchanged on the C++ op (54 vs 53 ms); on the Python loop the float64
   attention's small products take ~2.4x longer (6 -> 15 us each, ~0.5 ms a step of 30 layers).
+  `lab.engine.defaults` times float32 decode steps as they now run, so dtype auto weighs this cost.
 `DECODING_LAB_ROW_INVARIANT=0` turns the patches off at model load (faster verification, greedy equality only up to
 ties again); set in the environment before lab is imported, it also leaves MKL in its default mode (float32 decode
 steps at their old speed). Not covered: CUDA kernels (cuBLAS picks kernels by shape too; not measured), float32 on
