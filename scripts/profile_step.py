@@ -41,8 +41,8 @@ from lab.trace import summarize
 from strategies import collect, get_strategy
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu")
-# SDPA (prefill, batched forwards, float32) and `lab.engine.invariance.exact_attention`'s float64 ops (bf16 decode steps
-# and verify forwards); aten::bmm also holds the rotary embedding's tiny product
+# SDPA (prefill, batched forwards) and `lab.engine.invariance.exact_attention`'s float64 ops (decode steps and verify
+# forwards of row-invariant models); aten::bmm also holds the rotary embedding's tiny product
 ATTENTION = ("aten::scaled_dot_product_attention", "aten::bmm", "aten::_softmax", "aten::masked_fill_")
 NATIVE = "decoding_lab::decoder_layers"  # its self time: the C++ attention loop and the op's bookkeeping
 PROMPT = "Explain in two sentences why the sky is blue, then give one everyday example of scattering."

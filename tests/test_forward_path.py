@@ -10,7 +10,7 @@ import torch
 
 from lab.app.runner import new_trace, path_of
 from lab.app.validation import validate_request
-from lab.engine import forward_path, lean_forward, native_forward, runtime
+from lab.engine import forward_path, invariance, lean_forward, native_forward, runtime
 from lab.engine.forward_path import LEAN, MODEL, NATIVE, ForwardPath
 from lab.engine.models import wrap_model
 from lab.params import build_params
@@ -51,7 +51,8 @@ def native_calls(monkeypatch) -> list[bool]:
 def test_choose_names_the_path_and_why(monkeypatch, op) -> None:
     fp32 = tiny_loaded_model(seed=1)
     path = forward_path.choose(fp32)
-    assert path.name == LEAN and "bf16 / fp16 only" in path.reason and not path.row_invariant
+    assert path.name == LEAN and "bf16 / fp16 only" in path.reason
+    assert path.row_invariant == (not invariance.BLAS_NOT_STRICT)  # float32: where MKL's strict mode is on
     bf16 = bf16_model()
     assert forward_path.choose(bf16).name == LEAN and "building" in forward_path.choose(bf16).reason
     op["built"] = True

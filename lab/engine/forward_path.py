@@ -8,7 +8,8 @@ A forward of the lab takes one of three paths (`lab.engine.runtime.model_forward
   forwards the op takes (one-token steps and row-invariant verify forwards of a batch of one, bf16 / fp16 on a
   CPU); prefill and batched forwards of the run keep the lean Python loop.
 Orthogonal to the path, the load-time patches of `lab.engine.invariance` (row-invariant attention and linears)
-are on or off for the model (`ForwardPath.row_invariant`); every path computes with them when they are on.
+are on or off for the model (`ForwardPath.row_invariant`: on for CPU models in bf16 / fp16, and in float32 where
+MKL's strict mode is on, unless `DECODING_LAB_ROW_INVARIANT=0`); every path computes with them when they are on.
 
 `choose(loaded)` decides from the model (architecture, hooks, training mode), its device and dtype, the switches
 (`DECODING_LAB_LEAN_FORWARD=0`, `DECODING_LAB_NATIVE_FORWARD=0`, and `DECODING_LAB_ROW_INVARIANT=0` at load)

@@ -169,7 +169,7 @@ def _from_pretrained(spec: str, torch_dtype: torch.dtype, device: torch.device, 
     model = model.to(torch_dtype)
     if device_map is None:
         model = model.to(device)
-    make_rows_invariant(model)  # verify rows decide as decode steps in bf16 (lab.engine.invariance)
+    make_rows_invariant(model)  # verify rows decide as decode steps, any thread count (lab.engine.invariance)
     return model.eval(), tokenizer
 
 

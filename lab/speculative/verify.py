@@ -7,9 +7,9 @@ n_past + depth (`runtime.verify_tree`, docs/architecture.md section 4). The rows
 as the plain sampler: with a repetition penalty, row 1 + i sees the history plus the tokens on the path to node i, which
 is exactly what the plain sampler would see after them. `commit` keeps the root and the accepted path in the
 cache: a crop for chains, `runtime.select` for trees (KV compaction).
-In reduced precision (bf16 / fp16) the forward runs under `lab.engine.invariance.rows_invariant`, so every
-row is computed exactly as a one-token decode step would compute it and greedy verification decides exactly as
-greedy decoding does in the dtype the user runs.
+The forward runs under `lab.engine.invariance.rows_invariant`, so on a CPU (bf16 / fp16, and float32 where MKL's
+strict mode is on) every row is computed exactly as a one-token decode step would compute it, at any thread count,
+and greedy verification decides exactly as greedy decoding does in the dtype the user runs.
 Not covered: batched verification of several sequences.
 """
 
