@@ -186,6 +186,10 @@ def test_views_draw_what_the_trace_recorded() -> None:
     assert all(r.head_top_probs for r in rounds)  # a last round with no budget left still carries the head tops
     latest = views.head_topk_figure(events, drafted[-1].step).data[0]
     assert latest.z[0][0] == drafted[-1].head_top_probs[0][0]
+    assert list(latest.x)[1].startswith("head 2") and len(latest.y) == len(drafted[-1].head_top_probs[0])
+    # with no step, every round figure shows the latest round that drafted (not a last round of the root alone)
+    for figure in (views.tree_figure, views.head_topk_figure, views.mask_figure):
+        assert f"round {drafted[-1].step}" in figure(events).layout.title.text
     pairs = views.pairs_figure(events).data
     mix = [e for e in events if isinstance(e, MixtureRound)][-1]
     assert list(pairs[0].y) == mix.joint and list(pairs[1].y) == mix.product

@@ -4,8 +4,8 @@ Covered: `fit_figure(fig, width_px)`: axes grow their margins to hold their tick
 long category label is never cut at the figure's edge); a horizontal legend sits in its own row between the title and
 the plot (room made for it; above subplot titles) instead of over an axis title, a subplot title or a heatmap's colour
 bar; a title longer than the width wraps onto as many lines as it needs (room made for them), anchored to the top of
-the figure. Not covered: tick labels that crowd each other inside a dense categorical axis, and text inside heatmap
-cells (`visualizers.labels.cell_text` decides that per figure).
+the figure; category tick labels that would crowd are written upright, and only every k-th where even that does not
+fit. Not covered: text inside heatmap cells (`visualizers.labels.cell_text` decides that per figure).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ TITLE_TOP_PX = 32
 LEGEND_ITEM_PX = 46  # a legend item's symbol and gaps
 LEGEND_CHAR_PX = 6.6
 DEFAULT_WIDTH_PX = 440  # the narrowest plot slot of the app's layout
+TICK_CHAR_PX = 7.0  # a 12 px tick label's widest mean character width (token glyphs such as ␣ and ⏎ included)
+TICK_LINE_PX = 16  # an upright tick label's width, and a y tick label's height, with a gap
+CATEGORY_FILL = 0.85  # share of the axis length the categories get (margins the automargin takes are unknown here)
 
 
 def _wrap(text: str, limit: int) -> str:
@@ -54,6 +57,56 @@ def _top_annotations(fig: go.Figure) -> bool:
     return any(a.yref == "paper" and (a.y or 0) >= 1.0 and a.yanchor == "bottom" for a in fig.layout.annotations)
 
 
+def _axis_categories(fig: go.Figure, letter: str) -> dict[str, list[str]]:
+    """Layout axis name ("xaxis", "xaxis2", ...) -> its category labels in order, for axes that traces fill with
+    text values (tokens, names); numeric axes are left out."""
+    found: dict[str, list[str]] = {}
+    for trace in fig.data:
+        values = getattr(trace, letter, None)
+        if values is None or trace.type == "table" or not len(values):
+            continue
+        if not all(isinstance(v, str) for v in values):
+            continue
+        anchor = getattr(trace, f"{letter}axis", None) or letter
+        name = f"{letter}axis{anchor[1:]}"
+        labels = found.setdefault(name, [])
+        labels += [v for v in values if v not in labels]
+    return found
+
+
+def _tick_labels(fig: go.Figure, letter: str) -> dict[str, tuple[list, list[str]]]:
+    """Layout axis name -> (tick values, their labels) of the axes that label ticks with text: category axes, and
+    axes whose figure gave its own tick values and texts (tokens at numeric positions)."""
+    found = {name: (labels, labels) for name, labels in _axis_categories(fig, letter).items()}
+    for name in fig.layout.to_plotly_json():
+        axis = fig.layout[name] if re.fullmatch(f"{letter}axis\\d*", name) else None
+        if axis is not None and axis.tickvals is not None and axis.ticktext is not None:
+            found[name] = (list(axis.tickvals), [str(t) for t in axis.ticktext])
+    return found
+
+
+def _fit_categories(fig: go.Figure, width: float, plot_height: float) -> None:
+    """Text tick labels that never crowd: a dense x axis writes its labels upright (-90 degrees; the margin grows
+    to hold them) and, where even upright labels do not fit, only every k-th; a dense y axis likewise shows every
+    k-th."""
+    for letter, length in (("x", width - 90), ("y", plot_height)):
+        for name, (values, labels) in _tick_labels(fig, letter).items():
+            axis = fig.layout[name]
+            if not labels or axis.type not in (None, "category", "-", "linear"):
+                continue
+            domain = axis.domain or (0, 1)
+            slot = max(length * (domain[1] - domain[0]), 40) * CATEGORY_FILL / len(labels)
+            lines = [line for label in labels for line in label.split("<br>")]
+            along = max(map(_plain_length, lines)) * TICK_CHAR_PX if letter == "x" else TICK_LINE_PX
+            if along <= slot:
+                continue
+            update = {"tickangle": -90} if letter == "x" else {}
+            if slot < TICK_LINE_PX:  # upright labels still overlap: label every k-th one
+                every = math.ceil(TICK_LINE_PX / slot)
+                update |= {"tickmode": "array", "tickvals": values[::every], "ticktext": labels[::every]}
+            axis.update(update)
+
+
 def fit_figure(fig: go.Figure, width_px: float | None = None) -> go.Figure:
     """The same figure with its titles, legend and tick labels fitted to `width_px` (module docstring)."""
     width = width_px or DEFAULT_WIDTH_PX
@@ -61,6 +114,8 @@ def fit_figure(fig: go.Figure, width_px: float | None = None) -> go.Figure:
     top, height = layout.margin.t if layout.margin.t is not None else 44, layout.height or 320
     fig.update_xaxes(automargin=True)
     fig.update_yaxes(automargin=True)
+    bottom = layout.margin.b if layout.margin.b is not None else 40
+    _fit_categories(fig, width, height - top - bottom)
     title = layout.title.text or ""
     limit = int((width - 30) / TITLE_CHAR_PX)
     fitted = _wrap(title, limit)

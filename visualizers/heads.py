@@ -34,6 +34,7 @@ from visualizers.view import StrategyView
 PLACEHOLDER = "Run Medusa or MTPC to see its candidate trees."
 SUPPRESSED = 0.5  # a pair is "suppressed" when joint < 0.5 * product of marginals
 METHOD_COLORS = {"medusa": "#1f77b4", "mtpc": "#9467bd", "eagle": "#ff7f0e"}
+TOPK_ROW_PX, TOPK_FONT = 22, 11  # one rank per row of the per-head top-k, tokens written at 11 px
 
 
 def _shown(text: str) -> str:
@@ -41,11 +42,13 @@ def _shown(text: str) -> str:
 
 
 def _round(events: list[Event], step: int | None, kind: type = TreeRound):
+    """The round of `step`; with no step, the latest round that drafted anything (the last one may have had no
+    budget left: a tree of the root alone), so every round figure shows the same round."""
     rounds = [e for e in events if isinstance(e, kind)]
     if not rounds:
         return None
     if step is None:
-        return rounds[-1]
+        return next((r for r in reversed(rounds) if getattr(r, "tokens", True)), rounds[-1])
     return next((r for r in rounds if r.step == step), None)
 
 
@@ -69,8 +72,6 @@ def tree_figure(events: list[Event], step: int | None = None, collapse: bool = T
     the branches never reached (pruned) are folded into one "+n" node under the rejected node they hang from;
     labels are written where they fit at the plot `width` (px, default the narrow side-by-side width)."""
     title = "Candidate tree"
-    if step is None:  # the latest round that drafted anything (the last one may have had no budget left)
-        step = next((e.step for e in reversed(events) if isinstance(e, TreeRound) and e.tokens), None)
     tree = _round(events, step)
     if tree is None:
         return empty_figure(title, PLACEHOLDER, height=380)
@@ -140,34 +141,37 @@ def _marker(lay: TreeLayout, keys: list, labels: dict, name: str, color: str, ho
 
 
 def head_topk_figure(events: list[Event], step: int | None = None) -> go.Figure:
-    """Top tokens per head (draft position) at one round, probability as colour, token in the cell."""
+    """Top tokens per head (draft position) at one round: one column per head, its ranks down the column,
+    probability as colour, the token written in its cell (columns are wide enough for a word; k rows of a line)."""
     title = "Per-head top-k"
     tree = _round(events, step)
     if tree is None or not tree.head_top_probs:
         return empty_figure(title, PLACEHOLDER, height=260)
-    rows = [f"head {k + 1} (x t+{k + 2})" for k in range(len(tree.head_top_probs))]
-    width = max(len(r) for r in tree.head_top_probs)
-    z = [r + [None] * (width - len(r)) for r in tree.head_top_probs]
-    texts = [distinct_labels([_shown(t) for t in r]) + [""] * (width - len(r)) for r in tree.head_top_texts]
-    hover_texts = texts
-    texts = cell_text(texts, width, len(rows), NARROW_PLOT_PX - 140, 44 * len(rows))  # y labels take ~140 px
+    heads = [f"head {k + 1}<br>x t+{k + 2}" for k in range(len(tree.head_top_probs))]
+    depth = max(len(r) for r in tree.head_top_probs)
+    z = [[r[i] if i < len(r) else None for r in tree.head_top_probs] for i in range(depth)]  # [rank][head]
+    by_head = [[_shown(t) for t in r] + [""] * (depth - len(r)) for r in tree.head_top_texts]
+    hover_texts = [[column[i] for column in by_head] for i in range(depth)]
+    height = 110 + TOPK_ROW_PX * depth
+    texts = cell_text(hover_texts, len(heads), depth, NARROW_PLOT_PX - 100, TOPK_ROW_PX * depth, TOPK_FONT)
     fig = go.Figure(
         go.Heatmap(
             z=z,
-            x=[f"#{i + 1}" for i in range(width)],
-            y=rows,
+            x=heads,
+            y=[f"#{i + 1}" for i in range(depth)],
             text=texts,
             customdata=hover_texts,
             texttemplate="%{text}",
+            textfont={"size": TOPK_FONT},
             colorscale=PROBABILITY_COLORSCALE,
             zmin=0,
             zmax=1,
-            hovertemplate="%{y}, rank %{x}: %{customdata} p=%{z:.3f}<extra></extra>",
+            hovertemplate="%{x}, rank %{y}: %{customdata} p=%{z:.3f}<extra></extra>",
             colorbar={"title": "prob"},
         )
     )
-    fig.update_layout(**base_layout(f"{title}, round {tree.step} ({tree.method})", 80 + 44 * len(rows)))
-    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(**base_layout(f"{title}, round {tree.step} ({tree.method})", height))
+    fig.update_yaxes(autorange="reversed", title_text="rank")
     return fig
 
 
@@ -203,7 +207,8 @@ def mask_figure(events: list[Event], step: int | None = None) -> go.Figure:
             hovertemplate="%{y} attends to %{x}: %{z}<extra></extra>",
         )
     )
-    fig.update_layout(**base_layout(f"{title}, round {tree.step}: {len(labels)} tokens in one forward", 380))
+    rows = f"{len(labels)} token{'s' * (len(labels) != 1)}"
+    fig.update_layout(**base_layout(f"{title}, round {tree.step}: {rows} in one forward", 380))
     fig.update_yaxes(autorange="reversed")
     return fig
 

@@ -222,8 +222,7 @@ FRAMED = ("g-gtitle", "g-xtitle", "g-ytitle", "traces", "legend")
 
 def clipped_and_covering(drawn: dict) -> list[str]:
     """Texts cut by the figure's frame (a plotly Table's cells scroll, so they are left out), and titles or legend
-    items drawn over any other text. Tick labels crowding each other inside one dense categorical axis are not
-    counted (not fixed yet)."""
+    items drawn over any other text, and tick labels of one axis drawn over each other."""
     frame, texts = drawn["frame"], drawn["texts"]
     problems = []
     for t in texts:
@@ -236,6 +235,12 @@ def clipped_and_covering(drawn: dict) -> list[str]:
         for b in texts:
             if a is not b and overlaps([a, b]) and not (b in framed and id(b) < id(a)):
                 problems.append(f"over: {a['text'][:30]!r} ({a['cls']}) / {b['text'][:30]!r} ({b['cls']})")
+    ticks: dict[str, list[dict]] = {}
+    for t in texts:
+        if "tick" in t["cls"] and "textpoint" not in t["cls"]:
+            ticks.setdefault(t["cls"], []).append(t)
+    for axis, labels in ticks.items():
+        problems += [f"crowded ticks: {a[:20]!r} / {b[:20]!r} ({axis})" for a, b in overlaps(labels)]
     return problems
 
 
