@@ -32,12 +32,9 @@ What makes a multi-token forward round differently from a one-token step, and wh
   and the two-row linears as bf16 ones do (with strict MKL one row already takes the order of many; the 2D product
   is what its guarantee names). Where strict mode cannot be set (no MKL: aarch64 / macOS builds; or a product ran
   before lab was imported) float32 models are left plain and a warning says why (`BLAS_NOT_STRICT`).
-  What it costs, float32, one decode step of a random model of SmolLM2-135M's shapes on this project's 2-core test
-  machine (Python loop): 65 -> 120 ms at 1 thread, 39 -> 77 ms at 2 (strict MKL computes a one-row product as it
-  does a 16-row one: the LM head's 8 -> 22 ms), while a 9-row verify forward costs the same or less (143 -> 134 ms
-  at 1 thread). bf16 decode steps are unchanged on the C++ op (54 vs 53 ms); on the Python loop the float64
-  attention's small products take ~2.4x longer (6 -> 15 us each, ~0.5 ms a step of 30 layers).
-  `lab.engine.defaults` times float32 decode steps as they now run, so dtype auto weighs this cost.
+  What it costs: strict MKL computes a one-row float32 product as it does a sixteen-row one, so float32 decode
+  steps get slower while verify forwards do not (docs/benchmarks.md, "Float32 row invariance"); the C++ op's bf16
+  steps do not use MKL. `lab.engine.defaults` times float32 decode steps as they now run, so dtype auto weighs it.
 `DECODING_LAB_ROW_INVARIANT=0` turns the patches off at model load (faster verification, greedy equality only up to
 ties again); set in the environment before lab is imported, it also leaves MKL in its default mode (float32 decode
 steps at their old speed). Not covered: CUDA kernels (cuBLAS picks kernels by shape too; not measured), float32 on
