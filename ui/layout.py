@@ -75,9 +75,8 @@ PRESENT_JS = """
 CSS = """
 .dl-token:hover { filter: brightness(0.92); }
 .dl-views > .column { min-width: 0; }
-/* stats headers break between words only ("forwards/toke n" was unreadable); a row too wide scrolls sideways */
+/* stats headers break between words only ("forwards/toke n" was unreadable) */
 .dl-stats th, .dl-stats td { overflow-wrap: normal !important; word-break: normal !important; }
-.dl-stats table { display: block; overflow-x: auto; }
 body.dl-present .dl-hide-present, body.dl-present #run-settings, body.dl-present #dl-header,
 body.dl-present .dl-details, body.dl-present #prompt, body.dl-present #chat,
 body.dl-present .tab-wrapper, body.dl-present [role="tablist"] { display: none !important; }
