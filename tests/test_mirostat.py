@@ -40,7 +40,7 @@ from strategies import collect, get_strategy
 from strategies.mirostat import MirostatParams, resolved_eta
 from tests.tiny import tiny_loaded_model
 from visualizers import VIEWS
-from visualizers.mirostat import control_figure, running_mean_figure, running_means, truncation_figure
+from visualizers.mirostat import control_figure, log_ticks, running_mean_figure, running_means, truncation_figure
 
 MIROSTAT = get_strategy("mirostat")
 
@@ -246,12 +246,25 @@ def test_figures_draw_the_events(tiny, prompt_ids) -> None:
     means = running_mean_figure(events)
     assert [t.name for t in means.data] == ["mirostat v1", "top-k (k=40)", "top-p (p=0.9)"]
     assert means.data[0].y[-1] == pytest.approx(statistics.fmean(e.model_surprise for e in mirostat))
-    assert list(truncation_figure(events).data[0].y) == [e.k for e in mirostat]
+    truncation = truncation_figure(events)
+    assert list(truncation.data[0].y) == [e.k for e in mirostat]
+    ticks = list(truncation.layout.yaxis.tickvals)
+    assert ticks[0] >= min(e.k for e in mirostat) and ticks[-1] <= max(e.k for e in mirostat)
     assert running_means([1.0, 3.0, 2.0]) == [1.0, 2.0, 2.0]
     for figure in (control_figure, running_mean_figure, truncation_figure):
         empty = figure([])
         assert not empty.data and empty.layout.annotations[0].text == "No Mirostat steps yet"
     assert VIEWS["mirostat"].figures == (control_figure, running_mean_figure, truncation_figure)
+
+
+def test_log_ticks_never_crowd() -> None:
+    """Plotly's own log ticks label every digit of a short range ('9' over '10'); ours step 1-2-5, or only powers of
+    ten over a wide range, and keep both ends of a range that holds no such value."""
+    assert log_ticks(1, 10) == [1, 2, 5, 10]
+    assert log_ticks(1, 49152) == [1, 10, 100, 1000, 10000]
+    assert log_ticks(2, 2000) == [10, 100, 1000]
+    assert log_ticks(3, 4) == [3, 4]
+    assert log_ticks(7, 7) == [7]
 
 
 # --- the evaluation's helpers and CLI errors ---------------------------------------------------------------------

@@ -13,6 +13,8 @@ Imports plotly, the standard library and lab.trace only.
 
 from __future__ import annotations
 
+import math
+
 import plotly.graph_objects as go
 
 from lab.trace import Event, MirostatStep
@@ -146,9 +148,24 @@ def truncation_figure(events: list[Event]) -> go.Figure:
     ]
     fig = go.Figure(traces, layout=base_layout(title, height=280))
     fig.update_xaxes(title_text="step")
-    fig.update_yaxes(title_text="tokens kept", type="log")
+    kept = [e.k for steps in grouped.values() for e in steps]
+    ticks = log_ticks(min(kept), max(kept))
+    fig.update_yaxes(
+        title_text="tokens kept", type="log", tickmode="array", tickvals=ticks, ticktext=[f"{t:,}" for t in ticks]
+    )
     fig.update_layout(legend=LEGEND)
     return fig
+
+
+def log_ticks(low: int, high: int, most: int = 6) -> list[int]:
+    """Tick values for a log axis from `low` to `high`: 1-2-5 steps, or only powers of ten where those would be more
+    than `most` (plotly's own log ticks label every digit of a short range, crowding a 280 px figure)."""
+    low, high = max(low, 1), max(high, low, 1)
+    decades = range(int(math.floor(math.log10(low))), int(math.floor(math.log10(high))) + 1)
+    ticks = [m * 10**d for d in decades for m in (1, 2, 5) if low <= m * 10**d <= high]
+    if len(ticks) > most:
+        ticks = [10**d for d in decades if low <= 10**d <= high]
+    return ticks if len(ticks) >= 2 else sorted({low, high, *ticks})
 
 
 VIEWS = {"mirostat": StrategyView(figures=(control_figure, running_mean_figure, truncation_figure))}

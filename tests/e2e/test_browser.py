@@ -15,6 +15,7 @@ import pytest
 
 from lab.methods.rlm import tasks
 from lab.trace import ReplCall, RlmContext, RlmResult, TokenEmitted, from_json
+from strategies import REGISTRY
 from tests.e2e import ui
 
 pytestmark = [pytest.mark.e2e, pytest.mark.embedded]
@@ -280,3 +281,22 @@ def test_compare_stop_ends_the_comparison_as_a_result(page):
     assert 5 <= first.count() < 256
     assert page.locator("#compare-tokens-1 span.dl-token").count() == 0  # the next run never started
     ui.tab(page, "Run")
+
+
+LIVE_CHECKED_ELSEWHERE = {"speculative", "tot", "rlm"}  # their own tests above check their live figures
+
+
+def test_every_strategys_live_figures_fit(page):
+    """A short live run of each strategy (the ones not checked above): in every drawn figure, measured from the SVG,
+    no text is cut by its figure, no title or legend covers other text and no tick labels crowd each other."""
+    ui.tab(page, "Run")
+    ui.prompt_box(page).fill(GREEDY_PROMPT)
+    found = []
+    for name in [n for n in REGISTRY if n not in LIVE_CHECKED_ELSEWHERE]:
+        ui.choose(page, "strategy", re.compile(rf"› {name}$"))
+        ui.set_number(page, "max-new-tokens", 6)
+        run_and_watch(page)
+        ui.wait_until(lambda: ui.text_boxes(page, "main-plot"), f"{name}'s figure", 60, page)
+        page.wait_for_timeout(1500)  # let plotly finish every layout
+        found += ui.figure_problems(page, name=f"{name} (live)")
+    assert not found, "\n".join(found[:30])
