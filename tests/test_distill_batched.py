@@ -9,12 +9,16 @@ import pytest
 import torch
 
 from lab.app.builtin_prompts import BUILTIN_PROMPTS
+from lab.engine import forward_path, native_forward, runtime
+from lab.engine.models import wrap_model
+from lab.engine.quant import quantize_model
 from lab.params import InputError
 from lab.training.distill.batched import Capture, decode_batch
 from lab.training.distill.dataset import load_distill
 from lab.training.distill.generate import DistillSettings, eagle3_layers, run_distill
 from lab.training.distill.prompt_filter import PromptPool, near_benchmark, normalise, reject_reason
 from lab.training.distill.prompts import distill_prompts
+from tests.tiny import ByteTokenizer, tiny_llama
 
 BENCH = [p.text for p in BUILTIN_PROMPTS]
 
@@ -45,6 +49,54 @@ def test_greedy_batch_equals_each_prompt_alone(tiny) -> None:
     together = decode_batch(tiny, prompts, 10)
     alone = [decode_batch(tiny, [p], 10)[0] for p in prompts]
     assert [d.response for d in together] == [d.response for d in alone]
+    two_at_a_time = decode_batch(tiny, prompts, 10, width=2)  # float32: the padded batch, in chunks of two
+    assert [d.response for d in two_at_a_time] == [d.response for d in alone]
+
+
+def _greedy_alone(loaded, prompt: list[int], limit: int, stop: set[int]) -> list[int]:
+    """The lab's own greedy decoding of one prompt (prefill, then one decode step per token)."""
+    state, out = runtime.prefill(loaded, prompt)
+    tokens = [int(out.logits[-1].argmax())]
+    while len(tokens) < limit and tokens[-1] not in stop:
+        tokens.append(int(runtime.decode_step(state, tokens[-1]).logits[0].argmax()))
+    return tokens
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int4"])
+def test_unpadded_batches_on_the_native_path_are_the_labs_own_greedy(precision, monkeypatch) -> None:
+    """bf16 models on the CPU take the op: without capture, decode_batch steps the sequences together unpadded,
+    and each greedy response is exactly the lab's greedy decoding of its prompt; repeated prompts (Magpie) share
+    one prefill and still sample independently."""
+    if not native_forward.build():
+        pytest.skip("no C++ compiler: the op is not built (tests/test_native_forward.py says whether it must be)")
+    model = tiny_llama(7, layers=2).to(torch.bfloat16)
+    quantize_model(model, precision, torch.bfloat16)
+    loaded = wrap_model(model, ByteTokenizer())
+    assert forward_path.choose(loaded, wait=True).native
+    steps: list[int] = []
+    real = runtime.decode_steps
+    monkeypatch.setattr(runtime, "decode_steps", lambda states, ids: steps.append(len(states)) or real(states, ids))
+    prompts = [[5, 6, 7, 8, 9], [12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
+    stop = (0, 40)
+    decoded = decode_batch(loaded, prompts, 14, stop_ids=stop)
+    assert [d.response for d in decoded] == [_greedy_alone(loaded, p, 14, set(stop)) for p in prompts]
+    assert steps and steps[0] == 3  # one forward per step for all running sequences
+    steps.clear()
+    narrow = decode_batch(loaded, prompts, 14, stop_ids=stop, width=2)  # the third starts when one ends
+    assert [d.response for d in narrow] == [d.response for d in decoded] and max(steps) == 2
+    mixed = decode_batch(loaded, prompts, 14, [0.0, 1.5, 0.0], torch.Generator().manual_seed(2), stop_ids=stop)
+    assert [mixed[0].response, mixed[2].response] == [decoded[0].response, decoded[2].response]
+    generator = torch.Generator().manual_seed(1)
+    sampled = decode_batch(loaded, [[5, 6, 7]] * 4, 10, 1.5, generator, stop_ids=stop)
+    assert len({tuple(d.response) for d in sampled}) > 1
+    padded = decode_batch(loaded, prompts, 4, stop_ids=stop, path="padded")
+    assert all(1 <= len(d.response) <= 4 for d in padded)
+    with pytest.raises(ValueError, match="auto or padded"):
+        decode_batch(loaded, prompts, 4, path="fast")
+    with pytest.raises(ValueError, match="2 temperatures for 3 prompts"):
+        decode_batch(loaded, prompts, 4, [0.0, 1.0])
+    with pytest.raises(ValueError, match="width must be at least 1"):
+        decode_batch(loaded, prompts, 4, width=0)
 
 
 def test_the_folder_stores_eagle3_features_and_old_readers_still_work(tiny, tmp_path: Path) -> None:

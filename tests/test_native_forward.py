@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
 
-from lab.engine import forward_path, native_forward
+from lab.engine import forward_path, native_forward, runtime
 from lab.engine.invariance import _hidden_keys, exact_attention, rows_invariant
 from lab.engine.lean_forward import lean_forward
 from lab.engine.models import load_model, wrap_model
@@ -34,18 +34,29 @@ def _the_op_is_built() -> None:
         pytest.skip("no C++ compiler: the Python loop runs")
 
 
-@pytest.fixture
-def op_calls(monkeypatch) -> list[int]:
-    """Counts the op's calls (its token counts)."""
+def _count_calls(monkeypatch, dim: int) -> list[int]:
+    """Records embeds.shape[dim] of each call of the op."""
     calls: list[int] = []
     real = torch.ops.decoding_lab.decoder_layers
 
     def counted(embeds, *args):
-        calls.append(embeds.shape[1])
+        calls.append(embeds.shape[dim])
         return real(embeds, *args)
 
     monkeypatch.setattr(torch.ops.decoding_lab, "decoder_layers", counted)
     return calls
+
+
+@pytest.fixture
+def op_calls(monkeypatch) -> list[int]:
+    """Counts the op's calls (its token counts)."""
+    return _count_calls(monkeypatch, 1)
+
+
+@pytest.fixture
+def op_sequences(monkeypatch) -> list[int]:
+    """Counts the op's calls (the sequences each call ran)."""
+    return _count_calls(monkeypatch, 0)
 
 
 def _run(model, forwards, native: bool, monkeypatch) -> tuple[list, DynamicCache]:
@@ -193,3 +204,59 @@ def test_the_norms_sum_is_atens_float_sum() -> None:
         for scale in (1e-3, 1.0, 1e3):
             x = (torch.randn(5, features, generator=generator) * scale).pow(2)
             assert torch.equal(torch.ops.decoding_lab.row_sums(x, lanes), x.sum(-1))
+
+
+def _steps_alone_and_together(loaded, prompts: list[list[int]], steps: int) -> tuple[list, list]:
+    """Greedy continuations of `prompts`, each sequence stepping alone, and all in one batch of decode steps:
+    (per sequence, per step logits) both ways."""
+    alone = []
+    for prompt in prompts:
+        state, out = runtime.prefill(loaded, prompt)
+        logits = [out.logits[-1]]
+        for _ in range(steps):
+            logits.append(runtime.decode_step(state, int(logits[-1].argmax())).logits[0])
+        alone.append(logits)
+    together = [[] for _ in prompts]
+    states = []
+    for row, prompt in enumerate(prompts):
+        state, out = runtime.prefill(loaded, prompt)
+        states.append(state)
+        together[row].append(out.logits[-1])
+    for _ in range(steps):
+        logits = runtime.decode_steps(states, [int(rows[-1].argmax()) for rows in together])
+        for row, rows in enumerate(together):
+            rows.append(logits[row])
+    return alone, together
+
+
+@pytest.mark.parametrize("precision,hidden", [("bf16", 64), ("int8", 64), ("int4", 64), ("int4", 128)])
+def test_a_batch_of_decode_steps_equals_each_sequence_alone(precision, hidden, op_sequences) -> None:
+    """`runtime.decode_steps`: B sequences of different lengths, each at its own position, one op call per step;
+    every row's logits are bit for bit its own decode step's (the products over B rows are row-invariant)."""
+    model = tiny_llama(5, layers=3, hidden=hidden).to(torch.bfloat16)
+    quantize_model(model, precision, torch.bfloat16)
+    loaded = wrap_model(model, ByteTokenizer())
+    prompts = [[3, 9, 27, 81], [5], [7, 7, 7, 7, 7, 7, 7, 7, 7], [11, 13]]
+    alone, together = _steps_alone_and_together(loaded, prompts, steps=6)
+    for a, b in zip(alone, together, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert op_sequences.count(4) == 6  # one call per batched step
+
+
+def test_a_batch_of_decode_steps_on_the_embedded_model(op_sequences) -> None:
+    loaded = load_model("smollm2-135m", device="cpu", dtype="bfloat16", precision="int4")
+    prompts = [loaded.encode(text, chat=True) for text in ("Name a colour.", "What is 2 + 3? Answer briefly.")]
+    alone, together = _steps_alone_and_together(loaded, prompts, steps=5)
+    for a, b in zip(alone, together, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert op_sequences.count(2) == 5
+
+
+def test_decode_steps_without_the_op_step_each_sequence(monkeypatch) -> None:
+    """float32 (the op runs bf16 / fp16 only): the same logits, one forward per sequence."""
+    loaded = wrap_model(tiny_llama(5, layers=2), ByteTokenizer())
+    alone, together = _steps_alone_and_together(loaded, [[3, 4, 5], [6]], steps=3)
+    for a, b in zip(alone, together, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    with pytest.raises(ValueError, match="one token per sequence"):
+        runtime.decode_steps([], [])

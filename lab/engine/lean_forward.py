@@ -42,7 +42,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
 )
 
-from lab.engine.native_forward import decoder_layers
+from lab.engine.native_forward import decode_steps, decoder_layers
 from lab.engine.quant import joined_linears
 
 SWITCH = "DECODING_LAB_LEAN_FORWARD"  # "0" sends every forward through model(...) (for comparisons)
@@ -162,3 +162,18 @@ def lean_forward(
             recorded[-1] = hidden
     kept = hidden[:, -logits_to_keep:, :] if logits_to_keep else hidden
     return model.lm_head(kept) if lm_head else None, None if recorded is None else tuple(recorded)
+
+
+@torch.inference_mode()
+def lean_steps(model: LlamaForCausalLM, input_ids: torch.Tensor, caches: list) -> torch.Tensor | None:
+    """Logits [B, 1, V] of B one-token decode steps in one forward, token input_ids[b, 0] after `caches[b]` (each
+    extended in place, each at its own position), with the decoder layers as one call of the C++ op
+    (`lab.engine.native_forward.decode_steps`); None when the op does not take them. The embedding, the rotary
+    table and the LM head are the per-sequence step's, computed for all rows at once (elementwise, or one
+    product per row), so row b is the logits of sequence b's own decode step."""
+    decoder = model.model
+    embeds = decoder.embed_tokens(input_ids)  # [B, 1, H]
+    positions = torch.tensor([[cache.get_seq_length()] for cache in caches], device=embeds.device)  # [B, 1]
+    position_embeddings = decoder.rotary_emb.forward(embeds, position_ids=positions)
+    hidden = decode_steps(model, embeds, caches, position_embeddings)
+    return None if hidden is None else model.lm_head(hidden)

@@ -27,7 +27,10 @@ ahead of time (the Makefile's install and
 the bench do); otherwise the first run that could use it starts the build in the background, and runs that start
 before it is ready keep the Python loop for their whole length (`lab.engine.forward_path` decides once per run).
 Without a compiler, or when the build fails, they keep it for good, after one warning.
-`DECODING_LAB_NATIVE_FORWARD=0` turns the op off. Prefill, batched forwards, float32 and CUDA models, and models
+`decode_steps` runs B one-token decode steps of B sequences, each with its own cache and position, as one call of
+the same op (`lab.engine.runtime.decode_steps`, which `lab distill` uses): the products take all B rows at once
+and each sequence's attention runs over its own cache, so row b is that sequence's own decode step bit for bit.
+`DECODING_LAB_NATIVE_FORWARD=0` turns the op off. Prefill, padded batches, float32 and CUDA models, and models
 with other modules (adapters, other linears) keep `lab.engine.lean_forward`'s Python loop.
 """
 
@@ -267,9 +270,16 @@ def _takes(model, embeds: torch.Tensor, cache) -> bool:
         return False  # prefill and unconstrained multi-token forwards take SDPA
     if model.config._attn_implementation != invariance.ATTENTION or not getattr(model, "_lab_rows_invariant", False):
         return False
-    if type(cache) is not DynamicCache or cache.offloading or len(cache.layers) != len(model.model.layers):
+    return _plain_cache(model, cache)
+
+
+def _plain_cache(model, kv) -> bool:
+    """A DynamicCache of one sequence in plain tensors, every layer filled (the op's caches)."""
+    if type(kv) is not DynamicCache or kv.offloading or len(kv.layers) != len(model.model.layers):
         return False
-    return all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers)
+    return all(type(layer) is DynamicLayer and layer.is_initialized for layer in kv.layers) and (
+        kv.layers[0].keys.shape[0] == 1
+    )
 
 
 def decoder_layers(model, embeds, cache, position_embeddings, mask, record: bool):
@@ -306,6 +316,54 @@ def decoder_layers(model, embeds, cache, position_embeddings, mask, record: bool
     for layer, key, value in zip(layers, keys, values, strict=True):
         layer.keys, layer.values = key, value
     return normed, (recorded if record else None)
+
+
+def _takes_steps(model, embeds: torch.Tensor, caches: list) -> bool:
+    """Whether a batch of one-token decode steps, one per cache, is one the op computes exactly."""
+    if embeds.shape[1] != 1 or embeds.device.type != "cpu" or embeds.dtype not in invariance.REDUCED:
+        return False
+    if model.config._attn_implementation != invariance.ATTENTION or not getattr(model, "_lab_rows_invariant", False):
+        return False
+    return all(_plain_cache(model, kv) for kv in caches)
+
+
+def decode_steps(model, embeds: torch.Tensor, caches: list, position_embeddings) -> torch.Tensor | None:
+    """The final-norm hidden states [B, 1, H] of B one-token decode steps in one call, sequence b fed embeds[b]
+    after its own `caches[b]` (each extended), or None when the op does not take them (the caller steps each
+    sequence alone). The products run over all B rows at once (each weight block unpacked once for the batch) and
+    every step of the layer is row by row, so row b is bit for bit `decoder_layers` of sequence b alone."""
+    if os.environ.get(SWITCH, "1") == "0" or not _takes_steps(model, embeds, caches) or not available():
+        return None
+    plan = _plan(model)
+    if plan is None:
+        return None
+    attn = model.model.layers[0].self_attn
+    config = model.config
+    layers = range(len(model.model.layers))
+    cos, sin = position_embeddings
+    normed, keys, values, _ = torch.ops.decoding_lab.decoder_layers(
+        embeds,
+        [kv.layers[layer].keys for layer in layers for kv in caches],
+        [kv.layers[layer].values for layer in layers for kv in caches],
+        cos,
+        sin,
+        None,
+        plan.params,
+        plan.spec,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        attn.head_dim,
+        float(attn.scaling),
+        plan.eps,
+        False,
+        lanes(),
+    )
+    batch = len(caches)
+    for layer in layers:
+        for row, kv in enumerate(caches):
+            entry = layer * batch + row
+            kv.layers[layer].keys, kv.layers[layer].values = keys[entry], values[entry]
+    return normed
 
 
 if __name__ == "__main__":  # `python -m lab.engine.native_forward`: build the op ahead of first use

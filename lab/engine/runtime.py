@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from lab.engine import forward_path
-from lab.engine.lean_forward import lean_forward
+from lab.engine.lean_forward import lean_forward, lean_steps
 from lab.engine.models import LoadedModel
 from lab.engine.profile import section
 from lab.engine.tree_attention import TreeAttention
@@ -151,6 +151,26 @@ def prefill(
 def decode_step(state: DecodeState, token_id: int, *, hidden_states: bool = False) -> ForwardOutput:
     """One token in, the next-token logits out (logits shape [1, V])."""
     return forward(state, [token_id], hidden_states=hidden_states)
+
+
+@torch.inference_mode()
+def decode_steps(states: list[DecodeState], token_ids: list[int]) -> torch.Tensor:
+    """One token into each of B sequences (`token_ids[b]` after `states[b]`): float32 next-token logits [B, V], row
+    b bit for bit what `decode_step(states[b], token_ids[b])` returns. On the native path one forward runs them
+    all (`lab.engine.lean_forward.lean_steps`: the products over the B rows at once, each sequence attending to
+    its own cache); elsewhere each sequence steps alone. Counts one forward per sequence."""
+    if len(states) != len(token_ids) or not states:
+        raise ValueError("decode_steps needs one token per sequence, and at least one sequence")
+    loaded = states[0].loaded
+    if len(states) > 1 and forward_path.current(loaded).native:
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=loaded.device)[:, None]  # [B, 1]
+        logits = lean_steps(loaded.model, input_ids, [state.cache for state in states])
+        if logits is not None:
+            for state, token in zip(states, token_ids, strict=True):
+                state.forwards += 1
+                state.tokens.append(token)
+            return logits[:, -1].float()
+    return torch.cat([decode_step(state, token).logits for state, token in zip(states, token_ids, strict=True)])
 
 
 def verify(state: DecodeState, token_ids: list[int], *, hidden_states: bool = False) -> ForwardOutput:

@@ -1,4 +1,5 @@
-// The decoder layers of a Llama model for a row-invariant decode step or verify forward, as one C++ call
+// The decoder layers of a Llama model for a row-invariant decode step or verify forward, or a batch of decode steps of
+// sequences with their own caches, as one C++ call
 // (lab/engine/native_forward.py says when it is used).
 //
 // Each step computes the bits the Python forward (lab/engine/lean_forward.py over transformers' LlamaRMSNorm /
@@ -394,19 +395,46 @@ at::Tensor exact_attention(const at::Tensor& query, const at::Tensor& key, const
   return out;
 }
 
-// hidden [1, T, H] (the embeddings); per layer the past keys / values [1, kv_heads, P, d]; cos / sin [1, T, d];
-// hidden_keys [T, P + T] bool or None (lab.engine.invariance._hidden_keys). Returns the final-norm hidden states, each
-// layer's keys and values with the T new positions appended, and (when record) each layer's output.
+// The attention of B independent sequences, each over its own cache (a batch of decode steps): sequence b's query
+// [1, heads, T, d] against its past keys / values with its T new ones appended, by exact_attention, the sequences
+// split over the threads (a sequence's loops run as they run alone, so its rows are its own decode step's).
+// Returns [B, T, heads, d] and fills keys_out / values_out at [first + b].
+static at::Tensor sequences_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                      at::TensorList past_keys, at::TensorList past_values, int64_t first,
+                                      std::vector<at::Tensor>& keys_out, std::vector<at::Tensor>& values_out,
+                                      double scaling) {
+  const int64_t batch = query.size(0);
+  std::vector<at::Tensor> attended(batch);
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      keys_out[first + b] = at::cat({past_keys[first + b], key.slice(0, b, b + 1)}, -2);
+      values_out[first + b] = at::cat({past_values[first + b], value.slice(0, b, b + 1)}, -2);
+      attended[b] = exact_attention(query.slice(0, b, b + 1), keys_out[first + b], values_out[first + b],
+                                    c10::nullopt, scaling);
+    }
+  });
+  return at::cat(attended, 0);
+}
+
+// hidden [B, T, H] (the embeddings of B sequences); past keys / values [1, kv_heads, P_b, d] per layer and sequence,
+// layer-major (entry l * B + b); cos / sin [B, T, d]; hidden_keys [T, P + T] bool or None (lab.engine.invariance.
+// _hidden_keys; B = 1 only: B > 1 is a batch of decode steps, each row seeing its whole cache). Returns the
+// final-norm hidden states, each layer's (and sequence's) keys and values with the T new positions appended, and
+// (when record) each layer's output.
 std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder_layers(
     const at::Tensor& embeds, at::TensorList past_keys, at::TensorList past_values, const at::Tensor& cos,
     const at::Tensor& sin, const c10::optional<at::Tensor>& hidden_keys, at::TensorList params,
     at::IntArrayRef spec, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling, double eps,
     bool record, int64_t lanes) {
   Reader in{params, spec};
-  const int64_t layers = static_cast<int64_t>(past_keys.size());
   const int64_t batch = embeds.size(0), tokens = embeds.size(1);
+  TORCH_CHECK(batch >= 1 && static_cast<int64_t>(past_keys.size()) % batch == 0 &&
+                  past_keys.size() == past_values.size(),
+              "decoder_layers: past keys / values per layer and sequence");
+  TORCH_CHECK(batch == 1 || !hidden_keys.has_value(), "decoder_layers: a hidden-key mask takes one sequence");
+  const int64_t layers = static_cast<int64_t>(past_keys.size()) / batch;
   const int64_t rotated = heads + kv_heads;  // query heads, then key heads, then value heads
-  std::vector<at::Tensor> keys, values, recorded;
+  std::vector<at::Tensor> keys(layers * batch), values(layers * batch), recorded;
   at::Tensor hidden = embeds;
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor& input_norm = in.tensor();
@@ -419,9 +447,14 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::ve
     at::Tensor query = query_key.slice(1, 0, heads);
     at::Tensor key = query_key.slice(1, heads, std::numeric_limits<int64_t>::max());
     at::Tensor value = states.slice(1, rotated, std::numeric_limits<int64_t>::max());
-    keys.push_back(at::cat({past_keys[l], key}, -2));
-    values.push_back(at::cat({past_values[l], value}, -2));
-    at::Tensor attended = exact_attention(query, keys.back(), values.back(), hidden_keys, scaling);
+    at::Tensor attended;
+    if (batch == 1) {
+      keys[l] = at::cat({past_keys[l], key}, -2);
+      values[l] = at::cat({past_values[l], value}, -2);
+      attended = exact_attention(query, keys[l], values[l], hidden_keys, scaling);
+    } else {
+      attended = sequences_attention(query, key, value, past_keys, past_values, l * batch, keys, values, scaling);
+    }
     hidden = combine_step<false>(hidden, linear(in, attended.reshape({batch, tokens, -1}).contiguous()), lanes);
     // MLP (LlamaMLP.forward with SiLU, as lab.engine.lean_forward._mlp)
     at::Tensor mlp_in = norm_step(hidden, post_norm, eps, lanes);

@@ -82,6 +82,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         temperature=float(args.temperature),
         top_k=_int_option("--top-k", args.top_k),
         batch_size=_int_option("--batch-size", args.batch_size),
+        rows=_int_option("--rows", args.rows),
         seed=validate_seed(args.seed),
         limit=limit,
         greedy=not args.no_greedy,
@@ -125,5 +126,6 @@ def register(commands, evaluations, add_model_options) -> None:
     parser.add_argument("--temperature", default="0.8", help="temperature of the sampled responses")
     parser.add_argument("--top-k", default="32", help="how many next-token probabilities to store per position")
     parser.add_argument("--batch-size", default="8", help="hand-written prompts per batch (and per shard)")
+    parser.add_argument("--rows", default="16", help="sequences decoded together (the batch of each forward)")
     add_model_options(parser)
     parser.set_defaults(handler=cmd_distill)

@@ -7,8 +7,9 @@ chunk filtered against the benchmark prompts, the hand-written set and every pro
 of chunk c are stored in `prompts/chunk_c.json` and answered in shard c.
 Per prompt (chat template on): one greedy response (unless `greedy` is off) and `samples` sampled ones
 (temperature `temperature`, no top-k/top-p), up to `max_new_tokens`, cut after the first EOS (kept: heads learn
-to stop). Responses come from `lab.training.distill.batched.decode_batch` (left-padded batch, KV cache), which stores in
-the same pass, for every position p from the last prompt token to the one before the last token (one row per response
+to stop). Responses come from `lab.training.distill.batched.decode_batch`, `rows` sequences at a time (every variant
+of the batch's prompts in one call; unpadded batched steps on the native path, else a left-padded batch), which stores
+in the same pass, for every position p from the last prompt token to the one before the last token (one row per response
 token): h_p = hidden_states[L] (after the final norm, fp16), the top `top_k` of softmax(z_p) (temperature 1), and
 for every l in `layers` the input of layer l, hidden_states[l] (fp16, key `hidden.<l>`; "eagle3" = 2, L // 2, L - 3).
 
@@ -54,6 +55,7 @@ class DistillSettings:
     temperature: float = 0.8
     top_k: int = 32
     batch_size: int = 8
+    rows: int = 16  # sequences decoded together (lab.training.distill.batched.decode_batch's width)
     seed: int = 0
     limit: int | None = None
     greedy: bool = True  # off: sampled responses only (more data beside a folder that has the greedy ones)
@@ -70,8 +72,8 @@ class DistillSettings:
             raise InputError("--no-greedy needs --samples of at least 1.")
         if not 0.05 <= self.temperature <= 5:
             raise InputError("--temperature must be between 0.05 and 5.")
-        if not 1 <= self.top_k <= 256 or not 1 <= self.batch_size <= 256:
-            raise InputError("--top-k and --batch-size must be between 1 and 256.")
+        if not 1 <= self.top_k <= 256 or not 1 <= self.batch_size <= 256 or not 1 <= self.rows <= 256:
+            raise InputError("--top-k, --batch-size and --rows must be between 1 and 256.")
         if self.limit is not None and self.limit < 1:
             raise InputError("--limit must be at least 1.")
         if self.prompts not in PROMPT_SOURCES or (self.prompts == "magpie") != (self.magpie_chunks > 0):
@@ -93,12 +95,12 @@ def respond(
     (`capture` off: the token ids only, with empty row dicts)."""
     generator = torch.Generator(device=loaded.device).manual_seed(seed)
     rows = Capture(settings.top_k, settings.layers) if capture else None
-    records = []
-    for variant in range(0 if settings.greedy else 1, 1 + settings.samples):
-        temperature = settings.temperature if variant > 0 else 0.0
-        decoded = decode_batch(loaded, encoded, settings.max_new_tokens, temperature, generator, rows)
-        records += [(prompt, d.response, d.tensors) for prompt, d in zip(encoded, decoded, strict=True)]
-    return records
+    variants = range(0 if settings.greedy else 1, 1 + settings.samples)  # 0: greedy, then the samples
+    prompts = [prompt for _ in variants for prompt in encoded]
+    temperatures = [settings.temperature if variant > 0 else 0.0 for variant in variants for _ in encoded]
+    limit = settings.max_new_tokens
+    decoded = decode_batch(loaded, prompts, limit, temperatures, generator, rows, width=settings.rows)
+    return [(prompt, d.response, d.tensors) for prompt, d in zip(prompts, decoded, strict=True)]
 
 
 def _shard_tensors(records: list[Record]) -> dict[str, torch.Tensor]:
