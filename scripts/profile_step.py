@@ -15,10 +15,11 @@ machine: run it alone. With the C++ decoder layers (`lab.engine.native_forward`)
 (`DECODING_LAB_NATIVE_FORWARD`), interleaved in rounds in one process, so the machine's drift hits both alike,
 and checks that both give the same logits. `--compare-lowbit` times the decode step and chain verifies of 4, 8
 and 16 rows with ATen's low-bit kernels and with the op's row-efficient ones (lab/engine/native/lowbit_mm.h),
-interleaved the same way.
+interleaved the same way. `--batched-steps 1,4,8,16` times one batched decode step (`lab.engine.runtime.decode_steps`,
+B sequences with their own caches in one forward, as `lab distill` runs them) per B, interleaved the same way.
 
 usage: python scripts/profile_step.py [--precisions bf16,int8,int4] [--steps 40] [--nodes 16] [--compare-native]
-       [--compare-lowbit]
+       [--compare-lowbit] [--batched-steps 1,4,8,16]
 """
 
 from __future__ import annotations
@@ -154,6 +155,36 @@ def compare_lowbit(loaded: LoadedModel, steps: int, rounds: int = 6) -> list[str
     return lines
 
 
+def batched_steps(loaded: LoadedModel, widths: list[int], steps: int, rounds: int = 4) -> list[str]:
+    """Table rows: one `runtime.decode_steps` call over B sequences (the B = 1 row: a plain decode step), median ms,
+    its multiple of the B = 1 time and the tokens/s it makes, the widths interleaved in `rounds` rounds of `steps`
+    calls; each sequence is PROMPT with a different number of leading spaces, cropped back after each call."""
+    prompt = loaded.encode(PROMPT)
+    calls = {}
+    for width in widths:
+        states = [runtime.prefill(loaded, prompt[:1] * (b % 7) + prompt)[0] for b in range(width)]
+        lengths = [state.length for state in states]
+
+        def call(states=states, lengths=lengths) -> None:
+            if len(states) == 1:
+                runtime.decode_step(states[0], prompt[-1])
+            else:
+                runtime.decode_steps(states, [prompt[-1]] * len(states))
+            for state, length in zip(states, lengths, strict=True):
+                runtime.crop(state, length)
+
+        calls[width] = call
+    times: dict[int, list[float]] = {width: [] for width in widths}
+    for index in range(rounds):
+        for width in widths if index % 2 == 0 else widths[::-1]:
+            times[width].append(median_ms(calls[width], steps))
+    ms = {width: statistics.median(values) for width, values in times.items()}
+    base = ms[widths[0]]
+    return [
+        f"| {loaded.precision} | {w} | {ms[w]:.2f} | {ms[w] / base:.2f}x | {1000 * w / ms[w]:.0f} |" for w in widths
+    ]
+
+
 def same_logits(loaded: LoadedModel) -> bool:
     """A few greedy steps with the C++ layers off and on give the same logits (bit for bit)."""
     outputs = []
@@ -177,9 +208,18 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=16)
     parser.add_argument("--compare-native", action="store_true", help="C++ layers off / on, interleaved")
     parser.add_argument("--compare-lowbit", action="store_true", help="ATen's / the op's low-bit kernels, interleaved")
+    parser.add_argument("--batched-steps", default=None, help="e.g. 1,4,8,16,32: decode_steps over B sequences")
     args = parser.parse_args()
     native = native_forward.enabled()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}, C++ layers {native}\n")
+    if args.batched_steps:
+        lines = ["| precision | sequences B | median ms | x B = 1 | tokens/s |", "|---|---|---|---|---|"]
+        for precision in args.precisions.split(","):
+            loaded = load_model("smollm2-135m", device="cpu", dtype=args.dtype, precision=precision)
+            with torch.inference_mode():
+                lines += batched_steps(loaded, [int(w) for w in args.batched_steps.split(",")], args.steps)
+        print("\n".join(lines))
+        return
     if args.compare_lowbit:
         lines = [
             "| precision | call | ATen's kernels: median ms | the op's kernels | speedup |",
