@@ -281,6 +281,13 @@ at::Tensor combine_step(const at::Tensor& a, const at::Tensor& b, int64_t lanes)
   return out;
 }
 
+// a key or value as double: exact from bf16 / fp16 (through float, as ATen widens them) and from double
+template <typename kv_t>
+inline double to_double(kv_t x) {
+  return static_cast<double>(static_cast<float>(x));
+}
+inline double to_double(double x) { return x; }
+
 // lab.engine.invariance.exact_attention's number, softmax(q k^T * scaling) v in float64 rounded back once, with the
 // same-valued steps: scores are exact float64 sums of exact products of the reduced-precision inputs (any order
 // gives the same number, so the loop below gives the bits of exact_attention's batched product), the softmax is
@@ -289,18 +296,16 @@ at::Tensor combine_step(const at::Tensor& a, const at::Tensor& b, int64_t lanes)
 // results differ only where that ~1e-16 relative difference lands on a bf16 rounding boundary; its docstring
 // gives the odds), then rounds double -> float -> bf16 / fp16 as ATen's conversion does. A row's loop does not
 // depend on the other rows or on masked keys (they have weight exactly 0 and add nothing).
-// query [1, heads, T, d], key / value [1, kv_heads, S, d], hidden_keys [T, S] bool; returns [1, T, heads, d].
-template <typename scalar_t>
-at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+// query [1, heads, T, d], key / value [1, kv_heads, S, d] (contiguous, as kv_t: double, or the reduced type itself,
+// widened where it is read; widening is exact, so both give the same numbers), hidden_keys [T, S] bool; returns
+// [1, T, heads, d].
+template <typename scalar_t, typename kv_t>
+at::Tensor attention_rows(const at::Tensor& query, const kv_t* k, const kv_t* v, int64_t kv_heads, int64_t keys,
                           const bool* hidden, double scaling) {
   const int64_t heads = query.size(1), rows = query.size(2), dim = query.size(3);
-  const int64_t kv_heads = key.size(1), keys = key.size(2), shared = heads / kv_heads;
-  // keys and values widened once (exact), not once per query row
+  const int64_t shared = heads / kv_heads;
   const at::Tensor qc = query.contiguous();
-  const at::Tensor kc = key.to(at::kDouble).contiguous(), vc = value.to(at::kDouble).contiguous();
   const scalar_t* q = qc.data_ptr<scalar_t>();
-  const double* k = kc.data_ptr<double>();
-  const double* v = vc.data_ptr<double>();
   // task = one (query head, row): kv * shared * T + i, query head h = kv * shared + i / T, row t = i % T (the
   // layout of exact_attention's scores [kv_heads, shared * T, S])
   struct Task {
@@ -321,27 +326,27 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& key, const 
       const scalar_t* q_row = q + (h * rows + t) * dim;
       for (int64_t j = 0; j < dim; ++j) query_row[j] = wide(q_row[j]);  // exact
       const double* qd = query_row.data();
-      const double* k_head = k + kv * keys * dim;
+      const kv_t* k_head = k + kv * keys * dim;
       double* out = score_data + task * keys;
       const bool* hidden_row = hidden == nullptr ? nullptr : hidden + t * keys;
       int64_t s = 0;
       for (; s + 4 <= keys; s += 4) {  // four keys at a time: four independent sums keep the FMA units busy
-        const double *k0 = k_head + s * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
+        const kv_t *k0 = k_head + s * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
         double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
         for (int64_t j = 0; j < dim; ++j) {
-          s0 += qd[j] * k0[j];
-          s1 += qd[j] * k1[j];
-          s2 += qd[j] * k2[j];
-          s3 += qd[j] * k3[j];
+          s0 += qd[j] * to_double(k0[j]);
+          s1 += qd[j] * to_double(k1[j]);
+          s2 += qd[j] * to_double(k2[j]);
+          s3 += qd[j] * to_double(k3[j]);
         }
         out[s] = s0, out[s + 1] = s1, out[s + 2] = s2, out[s + 3] = s3;
       }
       for (; s < keys; ++s) {
-        const double* k_row = k_head + s * dim;
+        const kv_t* k_row = k_head + s * dim;
         double score = 0;
 #pragma omp simd reduction(+ : score)
-        for (int64_t j = 0; j < dim; ++j) score += qd[j] * k_row[j];
+        for (int64_t j = 0; j < dim; ++j) score += qd[j] * to_double(k_row[j]);
         out[s] = score;
       }
       for (s = 0; s < keys; ++s) {
@@ -359,15 +364,15 @@ at::Tensor attention_rows(const at::Tensor& query, const at::Tensor& key, const 
     for (int64_t task = begin; task < end; ++task) {
       const auto [kv, h, t] = task_of(task);
       const double* w = weight_data + task * keys;
-      const double* v_head = v + kv * keys * dim;
+      const kv_t* v_head = v + kv * keys * dim;
       double* a = acc.data();
       std::fill(a, a + dim, 0.0);
       for (int64_t s = 0; s < keys; ++s) {
         if (w[s] == 0) continue;  // a masked key (or an underflowed weight) adds exactly nothing
-        const double* v_row = v_head + s * dim;
+        const kv_t* v_row = v_head + s * dim;
         const double weight = w[s];
 #pragma omp simd
-        for (int64_t j = 0; j < dim; ++j) a[j] += weight * v_row[j];
+        for (int64_t j = 0; j < dim; ++j) a[j] += weight * to_double(v_row[j]);
       }
       scalar_t* o = out_data + (t * heads + h) * dim;
       for (int64_t j = 0; j < dim; ++j) o[j] = static_cast<scalar_t>(static_cast<float>(a[j]));
@@ -389,8 +394,19 @@ at::Tensor exact_attention(const at::Tensor& query, const at::Tensor& key, const
   }
   const bool* hidden_data = hidden.defined() ? hidden.data_ptr<bool>() : nullptr;
   at::Tensor out;
+  const int64_t kv_heads = key.size(1), keys = key.size(2);
   AT_DISPATCH_REDUCED_FLOATING_TYPES(query.scalar_type(), "exact_attention", [&] {
-    out = attention_rows<scalar_t>(query, key, value, hidden_data, scaling);
+    if (query.size(2) == 1 && key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type()) {
+      // one query row per head (decode steps): the cache read as it is, each element widened where it is used
+      const at::Tensor kc = key.contiguous(), vc = value.contiguous();
+      out = attention_rows<scalar_t, scalar_t>(query, kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(), kv_heads,
+                                               keys, hidden_data, scaling);
+    } else {
+      // several rows: keys and values widened to double once, not once per query row
+      const at::Tensor kc = key.to(at::kDouble).contiguous(), vc = value.to(at::kDouble).contiguous();
+      out = attention_rows<scalar_t, double>(query, kc.data_ptr<double>(), vc.data_ptr<double>(), kv_heads, keys,
+                                             hidden_data, scaling);
+    }
   });
   return out;
 }
