@@ -39,7 +39,7 @@ import torch
 from lab.engine.models import LoadedModel
 from lab.engine.sampling import SamplingConfig
 from lab.heads import published_build
-from lab.heads.eagle import KIND, EagleHead, build_head
+from lab.heads.eagle import KIND, EagleHead, build_head, serving_head
 from lab.heads.eagle3 import Eagle3Head
 from lab.heads.published import is_lab_stem
 from lab.params import DecodeParams, param
@@ -78,7 +78,11 @@ def cached_head(loaded: LoadedModel, path: str) -> EagleHead | Eagle3Head:
     `lab.heads.published`), loaded once per model, dtype and path."""
     if path and not is_lab_stem(path):
         return published_build.cached("eagle", loaded, path)
-    return cached_heads(KIND, loaded, path, lambda tensors, config: build_head(loaded, tensors["vocab"], tensors))
+
+    def build(tensors: dict, config: dict) -> EagleHead:
+        return serving_head(build_head(loaded, tensors["vocab"], tensors), loaded)
+
+    return cached_heads(KIND, loaded, path, build)
 
 
 def proposer_for(loaded: LoadedModel, params: EagleParams) -> EagleProposer:

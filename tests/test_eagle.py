@@ -16,8 +16,9 @@ import torch
 
 from lab.app.builtin_prompts import BUILTIN_PROMPTS
 from lab.engine.models import wrap_model
+from lab.engine.quant import Int4Linear, quantize_model
 from lab.heads.common import load_heads, save_heads
-from lab.heads.eagle import EagleCache, build_head
+from lab.heads.eagle import EagleCache, build_head, serving_head
 from lab.params import build_params
 from lab.speculative.proposers.eagle import EagleProposer, TreeShape, grow_tree, rerank
 from lab.speculative.tree import TreeSettings, tree_loop
@@ -177,6 +178,33 @@ def test_greedy_eagle_equals_greedy_with_a_random_head(tiny, values, prompt) -> 
     assert tokens_of(events) == greedy_tokens(tiny, ids, 30)
     assert events[-1].target_forwards == sum(isinstance(e, TreeRound) for e in events) + 1
     assert_round_order(events, (EagleDraft,))
+
+
+def test_the_serving_head_runs_low_bit_and_stays_lossless(tiny_trained) -> None:
+    """On an int4 target the head's linears take int4 (fc and its layer) and its draft logits the target's int8 LM
+    head rows (the same int8 values); its drafts stay close to the float head's, and greedy EAGLE still equals
+    greedy at int4. A bf16 target keeps the float head."""
+    _, stem, _ = tiny_trained
+    model = tiny_llama(0).to(torch.bfloat16)
+    quantize_model(model, "int4", torch.bfloat16)
+    target = wrap_model(model, ByteTokenizer())
+    tensors, _ = load_heads("eagle", target, str(stem))
+    float_head = build_head(target, tensors["vocab"], tensors)
+    head = serving_head(build_head(target, tensors["vocab"], tensors), target)
+    assert isinstance(head.fc, Int4Linear) and isinstance(head.layer.mlp.down_proj, Int4Linear)
+    assert not any(type(m) is torch.nn.Linear for m in head.modules())
+    rows = head._target["lm_rows"]
+    assert torch.equal(rows.qweight, target.lm_head.qweight[tensors["vocab"]])
+    features = torch.randn(5, 64).to(torch.bfloat16)
+    drafted, reference = head.logits(features).float(), float_head.logits(features).float()
+    assert drafted.shape == reference.shape == (5, tensors["vocab"].numel())
+    assert torch.allclose(drafted, reference, atol=0.1 * reference.abs().max().item())
+    prompt = target.encode("the quick brown fox")
+    events = run_eagle(target, head, prompt, max_new_tokens=30)
+    assert tokens_of(events) == greedy_tokens(target, prompt, 30)
+    bf16 = wrap_model(tiny_llama(0).to(torch.bfloat16), ByteTokenizer())
+    kept = serving_head(build_head(bf16, tensors["vocab"], tensors), bf16)
+    assert type(kept.fc) is torch.nn.Linear and "lm_rows" not in kept._target
 
 
 def test_budget_is_exact_and_events_are_consistent(tiny_trained) -> None:

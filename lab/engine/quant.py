@@ -163,6 +163,20 @@ class Int8Linear(nn.Module):
         """The dequantized matrix [N, K] (for code that reads the weights, e.g. the heads' LM-head rows)."""
         return self.qweight.to(self.scales.dtype) * self.scales[:, None]
 
+    @classmethod
+    def rows(cls, source: Int8Linear, index: torch.Tensor) -> Int8Linear:
+        """A linear of the output rows `index` of `source`, the same int8 values and scales (a draft head's
+        logits over its draft vocabulary from the target's LM head)."""
+        linear = cls.__new__(cls)
+        nn.Module.__init__(linear)
+        index = index.long().to(source.qweight.device)
+        linear.register_buffer("qweight", source.qweight.index_select(0, index).contiguous())
+        linear.register_buffer("scales", source.scales.index_select(0, index).contiguous())
+        bias = source.bias
+        linear.register_buffer("bias", None if bias is None else bias.index_select(0, index).contiguous())
+        linear.in_features, linear.out_features = source.in_features, int(index.numel())
+        return linear
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         buffers = self._buffers  # direct reads: a decode step makes ~150 of these calls (issue 17, overhead)
         scales, bias = buffers["scales"], buffers["bias"]
@@ -318,6 +332,20 @@ def _replacement(linear: nn.Linear, precision: str, dtype: torch.dtype, groups: 
             groups = q4_from_weight(linear.weight)
         return Int4Linear(groups, linear.bias, dtype)
     return Int8Linear(linear.weight, linear.bias, dtype)
+
+
+def quantize_linears(module: nn.Module, precision: str, dtype: torch.dtype) -> int:
+    """Replace every `nn.Linear` inside `module` (at any depth) by its low-bit form at `precision` (int4 where the
+    shape allows, else int8; activations in `dtype`); returns how many were replaced (none for bf16)."""
+    if precision not in ("int8", "int4"):
+        return 0
+    replaced = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, _replacement(child, precision, dtype, None))
+                replaced += 1
+    return replaced
 
 
 def quantize_model(

@@ -9,6 +9,9 @@ work; EAGLE-1 drops that layer's input norm, and so do we). The target's frozen 
 draft distribution q(x_{p+2}) = softmax(W_lm[V_d] f_hat_{p+1}), a softmax over V_d only, a frequency-ranked draft
 vocabulary (FR-Spec / EAGLE-3 style; `lab.heads.common.draft_vocabulary`): scoring 8k rows instead of 49k is
 what makes a draft step cheap on a CPU. Verification always scores the full vocabulary, so outputs stay exact.
+On a CPU target with low-bit weights (int8 / int4) the strategy runs the head at the target's precision
+(`serving_head`: fc and the layer through the same low-bit kernels, the draft logits through the int8 rows V_d of
+the target's LM head); trained and saved heads stay float.
 
 `EagleCache` is the head's own KV cache. Its first `committed` entries are real pairs (f_p, x_{p+1}) whose
 feature came from the target; draft-tree entries (pairs whose feature is the head's own prediction) are appended
@@ -33,6 +36,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from lab.engine.models import LoadedModel
+from lab.engine.quant import Int8Linear, quantize_linears
 
 KIND = "eagle"
 
@@ -69,6 +73,11 @@ class EagleHead(nn.Module):
     def draft_vocab_size(self) -> int:
         return int(self.vocab.numel())
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the head computes in (its layer norm's, which no quantization replaces)."""
+        return self.layer.post_attention_layernorm.weight.dtype
+
     def forward(
         self,
         features: torch.Tensor,  # [B, T, H] f_p
@@ -91,6 +100,9 @@ class EagleHead(nn.Module):
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft logits over V_d: W_lm[V_d] f_hat (the target's frozen LM head rows). [..., V_d]"""
+        rows = self._target.get("lm_rows")  # the int8 rows of `serving_head`
+        if rows is not None:
+            return rows(features)
         weight = self._target["lm_weight"]
         return features.to(weight.dtype) @ weight.T
 
@@ -105,6 +117,21 @@ def build_head(loaded: LoadedModel, vocab: torch.Tensor, tensors: dict[str, torc
         if missing or unexpected:
             raise ValueError(f"EAGLE head tensors do not fit: missing {missing}, unexpected {unexpected}")
     return head.to(device=loaded.device, dtype=loaded.dtype).eval()
+
+
+def serving_head(head: EagleHead, loaded: LoadedModel) -> EagleHead:
+    """The head as the strategy runs it. For a CPU target whose linears are low-bit (int8 / int4, with its int8 LM
+    head), the head's fc and decoder layer take the target's precision and its draft logits the int8 rows V_d of
+    the target's LM head, so each draft step runs the target's row-efficient low-bit kernels instead of float
+    products: the draft distribution changes by the weights' rounding (as the target's does at that precision);
+    verification, and so the output, does not. Other targets keep the head as built. In place; returns it."""
+    if loaded.device.type != "cpu" or loaded.precision not in ("int8", "int4"):
+        return head
+    if not isinstance(loaded.lm_head, Int8Linear) or head.draft_vocab_size == loaded.vocab_size:
+        return head
+    quantize_linears(head, loaded.precision, loaded.dtype)
+    head._target["lm_rows"] = Int8Linear.rows(loaded.lm_head, head.vocab)
+    return head
 
 
 def head_tensors(head: EagleHead) -> dict[str, torch.Tensor]:
@@ -135,7 +162,7 @@ class EagleCache:
         if n > 1 or self.committed:
             mask = torch.ones(n, self.committed + n, dtype=torch.bool, device=device).tril(self.committed)[None, None]
         ids = torch.tensor([tokens], dtype=torch.long, device=device)
-        out = self.head(features[None].to(self.head.fc.weight.dtype), ids, positions, mask, self.cache)  # [1, n, H]
+        out = self.head(features[None].to(self.head.dtype), ids, positions, mask, self.cache)  # [1, n, H]
         self.committed += n
         return out[0, -1]
 

@@ -27,7 +27,7 @@ from lab.engine.models import load_model
 from lab.engine.sampling import SamplingConfig
 from lab.engine.tree_attention import build_tree_attention
 from lab.heads.common import load_heads
-from lab.heads.eagle import KIND, build_head
+from lab.heads.eagle import KIND, build_head, serving_head
 from lab.registry import collect
 from lab.speculative.proposers.eagle import EagleProposer, TreeShape
 from lab.speculative.tree import TreeSettings, tree_loop
@@ -114,7 +114,7 @@ def main() -> None:
     sizes, depths = [int(x) for x in args.sizes.split(",")], [int(x) for x in args.depths.split(",")]
     loaded = load_model(args.model, dtype=args.dtype)
     tensors, _ = load_heads(KIND, loaded, args.heads_path or None)
-    head = build_head(loaded, tensors["vocab"], tensors)
+    head = serving_head(build_head(loaded, tensors["vocab"], tensors), loaded)
     verify = verify_times(loaded, sizes)
     print("verify ms (1 + N tokens):", {n: round(1000 * t, 2) for n, t in verify.items()})
     prompts = [loaded.encode(p) for p in load_prompts("builtin")[: args.limit]]
