@@ -70,7 +70,10 @@ def main() -> int:
             taus[label].append(summarize(events).mean_accepted_length or 0.0)
             line.append(f"{label} tau {taus[label][-1]:.2f}{'' if same else ' MISMATCH'}")
         print("  ".join(line), flush=True)
-    print(f"dtype {args.dtype}, {args.precision} weights, {len(prompts)} prompts, {args.max_new_tokens} tokens")
+    print(
+        f"dtype {args.dtype}, {args.precision} weights, {len(prompts)} prompts, {args.max_new_tokens} tokens, "
+        f"{torch.get_num_threads()} threads"
+    )
     for label in methods:
         mean = sum(taus[label]) / len(taus[label])
         print(f"{label}: equal to greedy on {equal[label]}/{len(prompts)} prompts; mean tau {mean:.3f}")
