@@ -162,6 +162,11 @@ class Eagle3Head(nn.Module):
         return int(self.lm_head.out_features)
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the head computes in (its output norm's; `EagleCache` casts features to it)."""
+        return self.norm.weight.dtype
+
+    @property
     def feature_layers(self) -> tuple[int, ...]:
         """The target hidden states this head reads, in fusion order (indices into HF hidden_states)."""
         return tuple(self.layer_ids)
