@@ -53,6 +53,16 @@ def test_greedy_batch_equals_each_prompt_alone(tiny) -> None:
     assert [d.response for d in two_at_a_time] == [d.response for d in alone]
 
 
+def test_padded_rows_keep_their_own_temperature_when_others_finish(tiny) -> None:
+    # row 0 is greedy and stops at its first token; the sampled row 1 goes on with its own temperature
+    prompts = [[5, 6, 7, 8, 9], [12, 13]]
+    first = decode_batch(tiny, prompts[:1], 1)[0].response[0]
+    generator = torch.Generator().manual_seed(0)
+    decoded = decode_batch(tiny, prompts, 8, [0.0, 1.5], generator, stop_ids=(first,), path="padded")
+    assert decoded[0].response == [first]
+    assert 1 <= len(decoded[1].response) <= 8
+
+
 def _greedy_alone(loaded, prompt: list[int], limit: int, stop: set[int]) -> list[int]:
     """The lab's own greedy decoding of one prompt (prefill, then one decode step per token)."""
     state, out = runtime.prefill(loaded, prompt)

@@ -141,7 +141,10 @@ def decode_batch(
         # 2. store this position's rows, choose x_{p+1}
         if capture is not None:
             steps.append((active, _captured(states, logits, capture)))
-        chosen = _choose(logits, temperature, generator)  # [b]
+        rows_temperature = (
+            [temperature[row] for row in active.tolist()] if isinstance(temperature, list) else temperature
+        )
+        chosen = _choose(logits, rows_temperature, generator)  # [b]
         for row, token in zip(active.tolist(), chosen.tolist(), strict=True):
             responses[row].append(token)
         # 3. drop finished rows (EOS or length), feed the chosen tokens of the others
