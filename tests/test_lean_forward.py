@@ -50,6 +50,7 @@ def assert_same_as_transformers(model: torch.nn.Module, forwards: list[tuple[lis
         (torch.bfloat16, "int8", 64),
         (torch.bfloat16, "int4", 64),  # k / v of 32 outputs: q / k / v stay separate products
         (torch.bfloat16, "int4", 128),  # q 128, k 64, v 64: joined into one packed product
+        (torch.bfloat16, "w4a8", 128),
     ],
 )
 def test_lean_forward_equals_transformers(dtype, precision, hidden) -> None:

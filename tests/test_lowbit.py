@@ -8,11 +8,23 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from lab.engine import native_forward
+from lab.engine import native_forward, quant
 from lab.engine.invariance import rows_invariant
 from lab.engine.lean_forward import lean_forward
 from lab.engine.models import wrap_model
-from lab.engine.quant import GROUP, Int4Linear, Int8Linear, q4_from_weight, quantize_model, set_lowbit_kernels
+from lab.engine.quant import (
+    GROUP,
+    Int4Linear,
+    Int8Linear,
+    W4A8Linear,
+    pack_w4a8,
+    q4_from_weight,
+    quantize_activations,
+    quantize_model,
+    set_lowbit_kernels,
+    unpack_w4a8,
+    w4a8_reference,
+)
 from tests.test_lean_forward import _forwards
 from tests.tiny import ByteTokenizer, tiny_llama
 
@@ -80,6 +92,81 @@ def test_the_kernels_refuse_what_they_do_not_compute() -> None:
         torch.ops.decoding_lab.int8_mm(torch.randn(2, 48).to(torch.bfloat16), int8.qweight, int8.scales)  # K
 
 
+def _w4a8(n: int, k: int, seed: int) -> W4A8Linear:
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.02
+    return W4A8Linear(q4_from_weight(weight), None, torch.bfloat16)
+
+
+def test_the_w4a8_layout_holds_the_q4_1_blocks() -> None:
+    weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(2))
+    groups = q4_from_weight(weight)
+    q, d, m = unpack_w4a8(*pack_w4a8(groups))
+    assert torch.equal(q.int(), groups.q)
+    assert torch.equal(d, groups.d.half().float()) and torch.equal(m, groups.m.half().float())
+    module = W4A8Linear(groups, None, torch.bfloat16)
+    scales = module.scales.clone()
+    module.to(torch.float32)  # a dtype cast leaves the fp16 bits alone
+    assert torch.equal(module.scales, scales)
+
+
+@pytest.mark.parametrize("n,k", [(1536, 576), (576, 1536), (48, 64), (16, 32)])
+def test_every_w4a8_variant_returns_the_python_definitions_bits(n: int, k: int) -> None:
+    """Every instruction-set variant this CPU runs (AVX-512 VNNI, AVX-VNNI, AVX2, plain C++) against
+    `quant.w4a8_reference`, for bf16, fp16 and float32 rows, any row count, with an all-zero block."""
+    variants = list(torch.ops.decoding_lab.w4a8_variants())
+    assert 0 in variants
+    module = _w4a8(n, k, seed=n + k)
+    q, d, m = unpack_w4a8(module.packed, module.scales)
+    generator = torch.Generator().manual_seed(k)
+    for rows in ROWS:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = (torch.randn(rows, k, generator=generator) * 3).to(dtype)
+            x[0, :GROUP] = 0
+            expected = w4a8_reference(x, q, d, m)
+            codes, scale, total = torch.ops.decoding_lab.w4a8_quantize(x)
+            py_codes, py_scale, py_total = quantize_activations(x)
+            assert torch.equal(codes.float(), py_codes.reshape(rows, k)) and torch.equal(scale, py_scale)
+            assert torch.equal(total, py_total)
+            for variant in variants:
+                got = torch.ops.decoding_lab.w4a8_mm(x, module.packed, module.scales, variant)
+                assert got.dtype == dtype and torch.equal(got, expected), (rows, dtype, variant)
+
+
+def test_a_w4a8_row_does_not_depend_on_the_other_rows_or_the_thread_count() -> None:
+    module = _w4a8(1536, 576, seed=5)
+    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(torch.ops.decoding_lab.w4a8_mm(x, module.packed, module.scales))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])
+    alone = torch.cat([torch.ops.decoding_lab.w4a8_mm(x[i : i + 1], module.packed, module.scales) for i in range(16)])
+    assert torch.equal(alone, results[0])
+
+
+def test_w4a8_forwards_without_the_op_give_its_bits(monkeypatch) -> None:
+    """The PyTorch definition (no compiler) and the op give a model the same logits and hidden states."""
+    model = tiny_llama(5, layers=2, hidden=128).to(torch.bfloat16)
+    quantize_model(model, "w4a8", torch.bfloat16)
+    monkeypatch.setenv(native_forward.SWITCH, "0")  # the Python loop, so only the linears differ
+    with_op = _verify_run(model)
+    monkeypatch.setattr(quant, "_lowbit_ops", lambda any_setting=False: None)
+    without = _verify_run(model)
+    assert all(torch.equal(a, b) for a, b in zip(with_op, without, strict=True))
+
+
+def test_w4a8_refuses_what_it_does_not_compute() -> None:
+    module = _w4a8(48, 64, seed=1)
+    with pytest.raises(RuntimeError, match="w4a8_mm"):
+        torch.ops.decoding_lab.w4a8_mm(torch.randn(2, 48), module.packed, module.scales)  # K
+    with pytest.raises(RuntimeError, match="w4a8_mm"):
+        torch.ops.decoding_lab.w4a8_mm(torch.randn(2, 64), module.packed, module.scales.view(torch.float16))
+
+
 def _verify_run(model) -> list[torch.Tensor]:
     """Logits, hidden states and cache of the prefill, a step, a chain and a tree verify (under rows_invariant)."""
     cache, out = DynamicCache(config=model.config), []
@@ -90,7 +177,7 @@ def _verify_run(model) -> list[torch.Tensor]:
     return out + [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("precision", ["int8", "int4", "w4a8"])
 def test_verify_forwards_give_the_same_bits_with_one_and_two_threads(precision: str) -> None:
     """The contract behind lossless decoding at any thread count: the kernels' sums do not depend on how the
     output columns are split between threads; and ATen's kernels (the switch off) give the same bits."""

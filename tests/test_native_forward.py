@@ -86,6 +86,8 @@ def assert_native_equals_python(model, forwards, monkeypatch) -> None:
         (torch.bfloat16, "int8", 64),
         (torch.bfloat16, "int4", 64),  # q / k / v as three products
         (torch.bfloat16, "int4", 128),  # q / k / v joined
+        (torch.bfloat16, "w4a8", 64),
+        (torch.bfloat16, "w4a8", 128),
     ],
 )
 def test_native_layers_equal_the_python_loop(dtype, precision, hidden, monkeypatch, op_calls) -> None:
@@ -229,7 +231,7 @@ def _steps_alone_and_together(loaded, prompts: list[list[int]], steps: int) -> t
     return alone, together
 
 
-@pytest.mark.parametrize("precision,hidden", [("bf16", 64), ("int8", 64), ("int4", 64), ("int4", 128)])
+@pytest.mark.parametrize("precision,hidden", [("bf16", 64), ("int8", 64), ("int4", 64), ("int4", 128), ("w4a8", 128)])
 def test_a_batch_of_decode_steps_equals_each_sequence_alone(precision, hidden, op_sequences) -> None:
     """`runtime.decode_steps`: B sequences of different lengths, each at its own position, one op call per step;
     every row's logits are bit for bit its own decode step's (the products over B rows are row-invariant)."""

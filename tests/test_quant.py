@@ -15,10 +15,12 @@ from lab.engine.quant import (
     GROUP,
     Int4Linear,
     Int8Linear,
+    W4A8Linear,
     permute_rows_like_hf,
     precision_of,
     q4_from_gguf_blocks,
     q4_from_weight,
+    quantize_activations,
     quantized_copy,
     resolve_precision,
 )
@@ -70,14 +72,24 @@ def test_q4_quantization_is_within_half_a_step_and_the_permutation_is_a_row_shuf
     assert torch.equal(rows[1], groups.dequantize()[2])  # [head, 8, 2] read as [head, 2, 8]: row 1 <- row 2
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+def _low_bit(kind: str, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.nn.Module:
+    if kind == "int8":
+        return Int8Linear(weight, bias, dtype)
+    return {"int4": Int4Linear, "w4a8": W4A8Linear}[kind](q4_from_weight(weight), bias, dtype)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "w4a8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_low_bit_linears_compute_x_times_their_dequantized_weight(kind: str, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     weight, bias = torch.randn(48, 64), torch.randn(48)
-    module = Int8Linear(weight, bias, dtype) if kind == "int8" else Int4Linear(q4_from_weight(weight), bias, dtype)
+    module = _low_bit(kind, weight, bias, dtype)
     x = torch.randn(2, 5, 64).to(dtype)  # [B, T, K]
-    expected = F.linear(x.float(), module.weight.float(), bias.to(dtype).float())
+    inputs = x.float()
+    if kind == "w4a8":  # its activations are rounded to 8-bit blocks too: x_hat = d q
+        q, d, _ = quantize_activations(x.reshape(10, 64))
+        inputs = (q * d[..., None]).reshape(2, 5, 64)
+    expected = F.linear(inputs, module.weight.float(), bias.to(dtype).float())
     tolerance = 1e-4 if dtype == torch.float32 else 0.1
     out = module(x)
     assert out.shape == (2, 5, 48) and out.dtype == dtype
@@ -85,14 +97,14 @@ def test_low_bit_linears_compute_x_times_their_dequantized_weight(kind: str, dty
     assert (module.weight.float() - weight).abs().max() < (0.05 if kind == "int8" else 0.5)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "w4a8"])
 def test_low_bit_rows_do_not_depend_on_how_many_rows_there_are(kind: str) -> None:
     """lab.engine.invariance's contract for linears in bf16: a verify row equals the one-row decode product bit for
     bit."""
     torch.manual_seed(1)
     weight = torch.randn(1536, 576) * 0.02
     dtype = torch.bfloat16
-    module = Int8Linear(weight, None, dtype) if kind == "int8" else Int4Linear(q4_from_weight(weight), None, dtype)
+    module = _low_bit(kind, weight, None, dtype)
     x = torch.randn(17, 576).to(dtype)
     with torch.inference_mode():
         singles = torch.cat([module(x[i : i + 1]) for i in range(17)])
@@ -152,7 +164,7 @@ def _random_heads(loaded: LoadedModel, directory) -> dict[str, str]:
     return paths
 
 
-@pytest.mark.parametrize("precision", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int4", "w4a8"])
 def test_every_lossless_method_equals_greedy_at_each_precision(precision: str, tmp_path) -> None:
     loaded = quantized_copy(tiny_loaded_model(seed=0), precision)
     assert loaded.precision == precision

@@ -42,10 +42,11 @@ CASES = [
     (torch.bfloat16, "bf16"),
     (torch.bfloat16, "int8"),
     (torch.bfloat16, "int4"),
+    (torch.bfloat16, "w4a8"),
     (torch.float32, "int8"),  # low-bit weights with float32 activations (a requested, slow pairing)
     (torch.float32, "int4"),
 ]
-CASE_IDS = ["float32", "bfloat16", "int8", "int4", "float32-int8", "float32-int4"]
+CASE_IDS = ["float32", "bfloat16", "int8", "int4", "w4a8", "float32-int8", "float32-int4"]
 
 
 @cache
@@ -122,7 +123,7 @@ def test_forwards_give_the_same_bits_with_one_and_two_threads(shape, dtype, prec
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("dtype,precision", CASES[1:4], ids=CASE_IDS[1:4])
+@pytest.mark.parametrize("dtype,precision", CASES[1:5], ids=CASE_IDS[1:5])
 def test_the_python_loop_gives_the_same_bits_with_one_and_two_threads(monkeypatch, shape, dtype, precision) -> None:
     """bf16 forwards where the C++ op does not run (not built, or switched off): the lean loop's ATen calls."""
     monkeypatch.setenv(native_forward.SWITCH, "0")

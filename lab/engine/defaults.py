@@ -32,7 +32,7 @@ import torch
 
 from lab.engine.quant import PRECISIONS
 
-LOW_BIT = ("int4", "int8")
+LOW_BIT = ("int4", "int8", "w4a8")
 FLOAT_WEIGHTS = "bf16"  # the precision name of float weights (kept in the model's dtype)
 LOW_BIT_ACTIVATIONS = torch.bfloat16  # the activation dtype the vectorized low-bit kernels take
 VECTOR_CAPABILITIES = ("AVX2", "AVX512")  # torch.backends.cpu.get_cpu_capability() with those kernels

@@ -53,13 +53,13 @@ from transformers.activations import SiLUActivation
 from transformers.cache_utils import DynamicLayer
 
 from lab.engine import invariance
-from lab.engine.quant import LOWBIT_SWITCH, Int4Linear, Int8Linear, joined_linears
+from lab.engine.quant import LOWBIT_SWITCH, Int4Linear, Int8Linear, W4A8Linear, joined_linears
 
 SWITCH = "DECODING_LAB_NATIVE_FORWARD"  # "0" keeps every forward on lab.engine.lean_forward's Python loop
 SOURCE = Path(__file__).with_name("native") / "decoder_layers.cpp"
-SOURCES = (SOURCE, SOURCE.with_name("lowbit_int4.cpp"), SOURCE.with_name("lowbit_int8.cpp"))  # + low-bit products
+SOURCES = (SOURCE, *(SOURCE.with_name(f"lowbit_{kind}.cpp") for kind in ("int4", "int8", "w4a8")))  # + low-bit products
 EXTENSION = "decoding_lab_native"
-LINEAR_KINDS = {"two-row float": 0, "int8": 1, "int4": 2}  # decoder_layers.cpp's kTwoRowFloat, kInt8, kInt4
+LINEAR_KINDS = {"two-row float": 0, "int8": 1, "int4": 2, "w4a8": 3}  # decoder_layers.cpp's kTwoRowFloat ... kW4A8
 # the attention loop's vector instructions, from the capability PyTorch itself detected on this CPU
 _VECTOR_CAPABILITIES = ("AVX2", "AVX512")
 _VECTOR_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
@@ -187,6 +187,8 @@ def _linear(module: nn.Module, params: list, spec: list) -> bool:
         kind, tensors = "int8", [module._buffers["qweight"], module._buffers["scales"]]
     elif isinstance(module, Int4Linear) and type(module) is Int4Linear:
         kind, tensors = "int4", [module._buffers["packed"], module._buffers["scales_and_zeros"]]
+    elif isinstance(module, W4A8Linear) and type(module) is W4A8Linear:
+        kind, tensors = "w4a8", [module._buffers["packed"], module._buffers["scales"]]
     elif type(module) is nn.Linear and getattr(module.__dict__.get("forward"), "__func__", None) is (
         invariance._two_row_forward
     ):

@@ -1,4 +1,5 @@
-"""Weight-only low-bit linears for CPU decoding: int8 per output channel and 4-bit groups (issue 17).
+"""Low-bit linears for CPU decoding: int8 per output channel, 4-bit groups, and 4-bit groups times 8-bit activation
+blocks (issues 17 and 28).
 
 A decode step of a small model reads every weight once, so its time is bytes over memory bandwidth; storing
 the weights in fewer bits and multiplying them with PyTorch's CPU kernels cuts those bytes:
@@ -7,8 +8,18 @@ the weights in fewer bits and multiplying them with PyTorch's CPU kernels cuts t
 - `Int4Linear`: GGUF Q4_1 groups of 32 along the input dimension, w = d q + m with q in [0, 15] and one scale d
   and minimum m per group (ggml's `block_q4_1`), computed by `torch._weight_int4pack_mm_for_cpu`, whose
   dequantization is (q - 8) s + z, so s = d and z = m + 8 d.
+- `W4A8Linear` (precision "w4a8"): the same Q4_1 groups (d and m stored in fp16, as ggml does) times activations
+  quantized per row to 8-bit blocks of 32 (d_x = max |x| / 127, q = round_half_even(x / d_x)), with integer dot
+  products per block: y = sum_g (d_w d_x) sum_j w_j q_j + m_w d_x sum_j q_j, llama.cpp's numerics for Q4_1 weights
+  (its Q8_1 activation blocks). The op's kernel (lab/engine/native/lowbit_w4a8.cpp; AVX-512 VNNI, AVX-VNNI, AVX2 or
+  plain C++, chosen at run time) and `w4a8_reference` (PyTorch, where the op is not built) give the same bits, and a
+  row's result depends neither on the other rows nor on the thread count, so every lossless method keeps greedy's
+  output at this precision too. Differences from ggml: d_x stays float32 (ggml rounds it to fp16), the rounding is
+  half to even (ggml's roundf rounds halves away from zero), and the blocks are added in a fixed order in float32.
+  Its activation rounding costs some agreement with the float model (docs/benchmarks.md, quality per precision),
+  so the default stays int4.
 - `quantize_model(model, precision, gguf_path)`: replaces the decoder layers' linears and the LM head in place.
-  With a GGUF file whose linears are Q4_1 (the embedded model), int4 takes the file's own blocks (the same
+  With a GGUF file whose linears are Q4_1 (the embedded model), int4 and w4a8 take the file's own blocks (the same
   weights the file holds, no second rounding); otherwise the groups are quantized from the float weights with
   ggml's Q4_1 rule (d = (max - min) / 15, m = min, q = round((w - m) / d)). The LM head goes to int8 per
   channel at both precisions (the embedded file stores it as Q8_0, finer than 4 bits). Weight tying is kept
@@ -25,7 +36,8 @@ the weights in fewer bits and multiplying them with PyTorch's CPU kernels cuts t
 Hidden states, norms, attention and the embedding are untouched, so early exits (DoLa) and the draft heads
 (EAGLE, Medusa, MTPC) see the same kind of tensors at every precision; a quantized module's `weight` property
 dequantizes on demand for code that reads the matrix (the heads' LM-head rows).
-Not covered: activation quantization, GPU kernels (CUDA keeps bf16), quantizing the draft heads, layers whose
+Not covered: activation quantization of the int8 LM head, GPU kernels (CUDA keeps bf16), Medusa's and MTPC's
+heads (EAGLE's head takes the target's precision: `lab.heads.eagle.serving_head`), layers whose
 shapes the 4-bit kernel refuses (output features not divisible by 16 or input features by the group) take int8.
 """
 
@@ -42,7 +54,7 @@ import numpy as np
 import torch
 from torch import nn
 
-PRECISIONS = ("auto", "bf16", "int8", "int4")
+PRECISIONS = ("auto", "bf16", "int8", "int4", "w4a8")
 GROUP = 32  # ggml's QK4_1: weights per Q4_1 block
 # `_convert_weight_to_int4pack_for_cpu` interleaves output channels in blocks of 64 (a last, partial block packs
 # differently), so packed weights can be stacked only after parts whose output sizes are multiples of 64
@@ -224,6 +236,102 @@ class Int4Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+W4A8_TILE = 16  # output columns per tile of the w4a8 layout (lab/engine/native/lowbit_w4a8.cpp)
+
+
+def pack_w4a8(groups: Q4Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """The w4a8 layout of Q4_1 groups: packed [N / 16, K / 32, 256] uint8 (per tile of 16 columns and block, 4
+    parts of 64 bytes; byte 4c + i of part p holds input 8p + i of column c in its low nibble, input 8p + 4 + i in
+    its high one) and scales [N / 16, K / 32, 2, 16] int16, the bits of fp16 values (d, then m, as ggml's block_q4_1
+    stores them; integer so that a module's `.to(dtype)` leaves them alone)."""
+    n, k = groups.q.shape
+    tiles, blocks = n // W4A8_TILE, k // GROUP
+    q = groups.q.to(torch.uint8).reshape(tiles, W4A8_TILE, blocks, 4, 2, 4)  # [t, c, g, p, high, i]
+    q = q.permute(0, 2, 3, 1, 5, 4)  # [t, g, p, c, i, high]
+    packed = (q[..., 0] | (q[..., 1] << 4)).reshape(tiles, blocks, 4 * 64).contiguous()
+    scales = torch.stack([groups.d, groups.m])  # [2, N, K / 32]
+    scales = scales.to(torch.float16).reshape(2, tiles, W4A8_TILE, blocks).permute(1, 3, 0, 2).contiguous()
+    return packed, scales.view(torch.int16)
+
+
+def unpack_w4a8(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack_w4a8` undone: q [N, K] uint8 in [0, 15], d and m [N, K / 32] float32 (the fp16 values, widened)."""
+    tiles, blocks = packed.shape[:2]
+    parts = packed.reshape(tiles, blocks, 4, W4A8_TILE, 4)  # [t, g, p, c, i]
+    q = torch.stack([parts & 15, parts >> 4], dim=-1)  # [t, g, p, c, i, high]
+    q = q.permute(0, 3, 1, 2, 5, 4).reshape(tiles * W4A8_TILE, blocks * GROUP)
+    d, m = scales.view(torch.float16).float().permute(2, 0, 3, 1).reshape(2, tiles * W4A8_TILE, blocks)
+    return q, d, m
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 1 of the w4a8 product (lowbit_w4a8.cpp): each row of x [M, K] in blocks of 32, d = max |x| / 127,
+    q = round_half_even(x * (1 / d)) (0 where d = 0), s = d * sum(q); returns q [M, K / 32, 32] float (integers),
+    d and s [M, K / 32] float32."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // GROUP, GROUP)
+    d = blocks.abs().amax(-1) / 127
+    inverse = torch.where(d != 0, 1 / torch.where(d != 0, d, 1), torch.zeros_like(d))
+    q = torch.round(blocks * inverse[..., None])
+    return q, d, d * q.sum(-1)
+
+
+def w4a8_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The w4a8 product in PyTorch, bit for bit the op's (steps 2 and 3 of lowbit_w4a8.cpp): x [M, K] times the
+    unpacked weights (q [N, K], d / m [N, K / 32]) -> [M, N] in x's dtype. The block dot products are exact in a
+    float32 matrix product (integers below 2^24); the blocks are then added in order, one rounding per operation."""
+    xq, dx, sx = quantize_activations(x)  # [M, G, 32], [M, G]
+    blocks = xq.shape[1]
+    weights = q.float().reshape(q.shape[0], blocks, GROUP).permute(1, 2, 0)  # [G, 32, N]
+    dots = torch.bmm(xq.transpose(0, 1), weights).permute(1, 2, 0)  # [M, N, G]
+    products = (d[None] * dx[:, None]) * dots  # (d_w d_x) i
+    offsets = m[None] * sx[:, None]  # m_w s
+    acc = torch.zeros(x.shape[0], q.shape[0])
+    for g in range(blocks):
+        acc = acc + products[..., g]
+        acc = acc + offsets[..., g]
+    return acc.to(x.dtype)
+
+
+class W4A8Linear(nn.Module):
+    """y = x W^T + b with W as Q4_1 blocks and x quantized per row to 8-bit blocks of 32 (precision "w4a8"):
+    integer dot products, llama.cpp's numerics for Q4_1 weights (lab/engine/native/lowbit_w4a8.cpp states them).
+    The op's kernel runs where it is built (AVX-512 VNNI, AVX-VNNI, AVX2 or plain C++, the same bits); without it
+    `w4a8_reference` computes the same bits in PyTorch."""
+
+    def __init__(self, groups: Q4Groups, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        n, k = groups.q.shape
+        packed, scales = pack_w4a8(groups)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        self.in_features, self.out_features = k, n
+        self.dtype = dtype
+        self._unpacked: tuple | None = None  # the reference's weights, unpacked on its first use
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized matrix [N, K] (d q + m in float32, then the activation dtype)."""
+        q, d, m = unpack_w4a8(self.packed, self.scales)
+        blocks = q.float().reshape(q.shape[0], -1, GROUP)
+        return (d[..., None] * blocks + m[..., None]).reshape(q.shape).to(self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        flat = _activations(x, self.in_features, self.dtype)  # [M, K]
+        ops = _lowbit_ops(any_setting=True)
+        if ops is not None:
+            y = ops.w4a8_mm(flat, buffers["packed"], buffers["scales"])
+        else:
+            if self._unpacked is None:
+                self._unpacked = unpack_w4a8(buffers["packed"], buffers["scales"])
+            y = w4a8_reference(flat, *self._unpacked)
+        if buffers["bias"] is not None:
+            y = y + buffers["bias"]
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
 def concatenate(linears: list[nn.Module]) -> nn.Module | None:
     """One linear whose output is the outputs of `linears` (same input size, same type) side by side, or None
     when they cannot be joined (mixed types or biases, float32 or GPU float weights).
@@ -249,6 +357,14 @@ def concatenate(linears: list[nn.Module]) -> nn.Module | None:
             "scales_and_zeros": torch.cat([m.scales_and_zeros for m in linears], 1),  # [K / 32, N, 2]
             "bias": bias,
         }
+    elif kind is W4A8Linear:  # tiles of 16 columns: every part is whole tiles (int4_supported)
+        joined = copy.copy(first)
+        joined._buffers = {
+            "packed": torch.cat([m.packed for m in linears]),
+            "scales": torch.cat([m.scales for m in linears]),
+            "bias": bias,
+        }
+        joined._unpacked = None
     elif kind is Int8Linear:
         joined = copy.copy(first)
         joined._buffers = {
@@ -326,18 +442,21 @@ def _gguf_groups(blocks: dict, layer: int, name: str, config) -> Q4Groups | None
     return groups
 
 
+FOUR_BIT = {"int4": Int4Linear, "w4a8": W4A8Linear}  # the precisions of Q4_1 weights, by their linear
+
+
 def _replacement(linear: nn.Linear, precision: str, dtype: torch.dtype, groups: Q4Groups | None) -> nn.Module:
-    if precision == "int4" and int4_supported(linear):
+    if precision in FOUR_BIT and int4_supported(linear):
         if groups is None or tuple(groups.q.shape) != tuple(linear.weight.shape):
             groups = q4_from_weight(linear.weight)
-        return Int4Linear(groups, linear.bias, dtype)
+        return FOUR_BIT[precision](groups, linear.bias, dtype)
     return Int8Linear(linear.weight, linear.bias, dtype)
 
 
 def quantize_linears(module: nn.Module, precision: str, dtype: torch.dtype) -> int:
     """Replace every `nn.Linear` inside `module` (at any depth) by its low-bit form at `precision` (int4 where the
     shape allows, else int8; activations in `dtype`); returns how many were replaced (none for bf16)."""
-    if precision not in ("int8", "int4"):
+    if precision not in ("int8", *FOUR_BIT):
         return 0
     replaced = 0
     for parent in list(module.modules()):
@@ -355,9 +474,9 @@ def quantize_model(
     `dtype` is the activation dtype the kernels run in (the model's dtype after loading)."""
     if precision == "bf16":
         return {}
-    if precision not in ("int8", "int4"):
+    if precision not in ("int8", *FOUR_BIT):
         raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    blocks = read_gguf_q4(gguf_path) if gguf_path is not None and precision == "int4" else {}
+    blocks = read_gguf_q4(gguf_path) if gguf_path is not None and precision in FOUR_BIT else {}
     counts: dict[str, int] = {}
     for index, layer in enumerate(model.get_decoder().layers):
         for parent in (layer.self_attn, layer.mlp):
@@ -377,9 +496,12 @@ def quantize_model(
 
 
 def precision_of(model: nn.Module) -> str:
-    """int4 / int8 when the model holds such modules, else bf16 (its float weights)."""
+    """w4a8 / int4 / int8 when the model holds such modules, else bf16 (its float weights)."""
     kinds = {type(m) for m in model.modules()}
-    return "int4" if Int4Linear in kinds else "int8" if Int8Linear in kinds else "bf16"
+    for precision, linear in FOUR_BIT.items():
+        if linear in kinds:
+            return precision
+    return "int8" if Int8Linear in kinds else "bf16"
 
 
 def resolve_precision(precision: str, device: torch.device, dtype: torch.dtype) -> str:

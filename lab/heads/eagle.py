@@ -125,7 +125,7 @@ def serving_head(head: EagleHead, loaded: LoadedModel) -> EagleHead:
     the target's LM head, so each draft step runs the target's row-efficient low-bit kernels instead of float
     products: the draft distribution changes by the weights' rounding (as the target's does at that precision);
     verification, and so the output, does not. Other targets keep the head as built. In place; returns it."""
-    if loaded.device.type != "cpu" or loaded.precision not in ("int8", "int4"):
+    if loaded.device.type != "cpu" or loaded.precision not in ("int8", "int4", "w4a8"):
         return head
     if not isinstance(loaded.lm_head, Int8Linear) or head.draft_vocab_size == loaded.vocab_size:
         return head

@@ -28,6 +28,7 @@ namespace {
 constexpr int64_t kTwoRowFloat = 0;  // nn.Linear with lab.engine.invariance's 2D / two-row forward: params weight
 constexpr int64_t kInt8 = 1;         // lab.engine.quant.Int8Linear: params qweight, scales
 constexpr int64_t kInt4 = 2;         // lab.engine.quant.Int4Linear: params packed, scales_and_zeros
+constexpr int64_t kW4A8 = 3;         // lab.engine.quant.W4A8Linear: params packed, scales (lowbit_w4a8.cpp)
 constexpr int64_t kGroup = 32;       // lab.engine.quant.GROUP
 
 // A cursor over the flat parameter list and the flat integer spec built by lab.engine.native_forward.
@@ -59,6 +60,11 @@ at::Tensor linear(Reader& in, const at::Tensor& x) {
   }
   const at::Tensor& packed = in.tensor();
   const at::Tensor& scales = in.tensor();
+  if (kind == kW4A8) {  // its own numerics: no ATen kernel computes them, so the switch below does not apply
+    y = lowbit::w4a8_mm(flat.is_contiguous() ? flat : flat.contiguous(), packed, scales, lowbit::kBest);
+    if (has_bias) y = y + in.tensor();
+    return y.reshape(out_shape);
+  }
   const bool lowbit = lowbit::active();
   if (flat.scalar_type() != scales.scalar_type()) flat = flat.to(scales.scalar_type());
   if (!flat.is_contiguous()) flat = flat.contiguous();
