@@ -221,7 +221,8 @@ def build_settings() -> dict:
             list(PRECISIONS),
             value="auto",
             label="weights",
-            info="bf16 = float weights in dtype; int8 / int4 on CPU (the GGUF's own 4-bit blocks); auto = fastest",
+            info="bf16 = float weights in dtype; on CPU int8, int4 (the GGUF's own 4-bit blocks), w4a8 (those blocks "
+            "with 8-bit activations); auto = fastest",
             elem_id="precision",
         )
     ui["strategy"] = gr.Dropdown(strategy_choices(), value="greedy", label="Strategy", elem_id="strategy")
