@@ -308,7 +308,7 @@ class W4A8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         self.in_features, self.out_features = k, n
         self.dtype = dtype
-        self._unpacked: tuple | None = None  # the reference's weights, unpacked on its first use
+        self._unpacked: tuple | None = None  # (packed, its unpacked weights) for the reference, made on first use
 
     @property
     def weight(self) -> torch.Tensor:
@@ -324,12 +324,22 @@ class W4A8Linear(nn.Module):
         if ops is not None:
             y = ops.w4a8_mm(flat, buffers["packed"], buffers["scales"])
         else:
-            if self._unpacked is None:
-                self._unpacked = unpack_w4a8(buffers["packed"], buffers["scales"])
-            y = w4a8_reference(flat, *self._unpacked)
+            packed = buffers["packed"]
+            if self._unpacked is None or self._unpacked[0] is not packed:  # also after `concatenate` swapped it
+                self._unpacked = (packed, unpack_w4a8(packed, buffers["scales"]))
+            y = w4a8_reference(flat, *self._unpacked[1])
         if buffers["bias"] is not None:
             y = y + buffers["bias"]
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+# the dimension along the output features of each low-bit linear's weight buffers (Int4Linear: packed [N, K / 2],
+# scales_and_zeros [K / 32, N, 2]; W4A8Linear: whole tiles of 16 columns, which int4_supported guarantees)
+_OUTPUT_DIMS = {
+    Int4Linear: {"packed": 0, "scales_and_zeros": 1},
+    Int8Linear: {"qweight": 0, "scales": 0},
+    W4A8Linear: {"packed": 0, "scales": 0},
+}
 
 
 def concatenate(linears: list[nn.Module]) -> nn.Module | None:
@@ -348,30 +358,13 @@ def concatenate(linears: list[nn.Module]) -> nn.Module | None:
         return None
     first, kind = linears[0], kinds.pop()
     bias = None if first.bias is None else torch.cat([m.bias for m in linears])
-    if kind is Int4Linear:
-        if any(m.out_features % INT4_PACK_BLOCK for m in linears[:-1]):
+    if kind in _OUTPUT_DIMS:
+        if kind is Int4Linear and any(m.out_features % INT4_PACK_BLOCK for m in linears[:-1]):
             return None  # a part ending in a partial block of the packed layout would shift the next part
         joined = copy.copy(first)  # module attributes shared; buffers replaced below
-        joined._buffers = {
-            "packed": torch.cat([m.packed for m in linears]),  # [N, K / 2] per part
-            "scales_and_zeros": torch.cat([m.scales_and_zeros for m in linears], 1),  # [K / 32, N, 2]
-            "bias": bias,
-        }
-    elif kind is W4A8Linear:  # tiles of 16 columns: every part is whole tiles (int4_supported)
-        joined = copy.copy(first)
-        joined._buffers = {
-            "packed": torch.cat([m.packed for m in linears]),
-            "scales": torch.cat([m.scales for m in linears]),
-            "bias": bias,
-        }
-        joined._unpacked = None
-    elif kind is Int8Linear:
-        joined = copy.copy(first)
-        joined._buffers = {
-            "qweight": torch.cat([m.qweight for m in linears]),
-            "scales": torch.cat([m.scales for m in linears]),
-            "bias": bias,
-        }
+        dims = _OUTPUT_DIMS[kind].items()
+        joined._buffers = {name: torch.cat([m._buffers[name] for m in linears], dim) for name, dim in dims}
+        joined._buffers["bias"] = bias
     elif kind is nn.Linear and first.weight.dtype in (torch.bfloat16, torch.float16) and first.weight.is_cpu:
         joined = copy.copy(first)
         weight = nn.Parameter(torch.cat([m.weight for m in linears]), requires_grad=False)

@@ -61,7 +61,7 @@ at::Tensor linear(Reader& in, const at::Tensor& x) {
   const at::Tensor& packed = in.tensor();
   const at::Tensor& scales = in.tensor();
   if (kind == kW4A8) {  // its own numerics: no ATen kernel computes them, so the switch below does not apply
-    y = lowbit::w4a8_mm(flat.is_contiguous() ? flat : flat.contiguous(), packed, scales, lowbit::kBest);
+    y = lowbit::w4a8_mm(flat, packed, scales, lowbit::kBest);  // it widens x to a contiguous float copy itself
     if (has_bias) y = y + in.tensor();
     return y.reshape(out_shape);
   }

@@ -28,6 +28,11 @@ inline bool supports(int64_t variant) {
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case kAvx512:
       return __builtin_cpu_supports("avx512f");
+    case kAvxVnni:
+      return supports(kAvx2) && __builtin_cpu_supports("avxvnni");
+    case kAvx512Vnni:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vnni");
     default:
       return false;
   }

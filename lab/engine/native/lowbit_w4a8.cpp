@@ -41,7 +41,7 @@ struct W4Weights {
 struct Q8Rows {  // step 1's quantized activations
   std::vector<int8_t> q;  // [M, K]
   std::vector<float> d, s;  // [M, K / 32]
-  int64_t m = 0, k = 0;
+  int64_t m = 0;
 };
 
 inline float half_value(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
@@ -49,7 +49,6 @@ inline float half_value(uint16_t bits) { return static_cast<float>(c10::Half(bit
 void quantize_rows(const float* x, int64_t m, int64_t k, Q8Rows& out) {
   const int64_t blocks = k / kBlock;
   out.m = m;
-  out.k = k;
   out.q.resize(m * k);
   out.d.resize(m * blocks);
   out.s.resize(m * blocks);
@@ -271,20 +270,10 @@ void w4a8_vector(int64_t variant, const Q8Rows& a, const W4Weights& w, float* ou
   });
 }
 
+// lowbit_common.h's `supports` for this product's variants; the 256-bit ones also widen the fp16 scales with F16C
 bool w4a8_supports(int64_t variant) {
-  switch (variant) {
-    case kReference:
-      return true;
-    case kAvx2:
-      return supports(kAvx2) && __builtin_cpu_supports("f16c");
-    case kAvxVnni:
-      return supports(kAvx2) && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avxvnni");
-    case kAvx512Vnni:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vnni");
-    default:
-      return false;
-  }
+  if (variant != kReference && variant != kAvx2 && variant != kAvxVnni && variant != kAvx512Vnni) return false;
+  return supports(variant) && (variant == kReference || variant == kAvx512Vnni || __builtin_cpu_supports("f16c"));
 }
 
 }  // namespace
@@ -311,10 +300,8 @@ bool w4a8_takes(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
 at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t variant) {
   TORCH_CHECK(w4a8_takes(x, packed, scales), "w4a8_mm: x [M, K] (bf16, fp16 or float32), packed [N / 16, K / 32, ",
               "256] uint8, scales [N / 16, K / 32, 2, 16] int16 (fp16 bits), K a multiple of 32");
-  if (variant == kBest) {
-    const std::vector<int64_t> available = w4a8_variants();
-    variant = available.back();
-  }
+  static const int64_t best = w4a8_variants().back();  // found once, not per product
+  if (variant == kBest) variant = best;
   TORCH_CHECK(w4a8_supports(variant), "w4a8_mm: instruction-set variant ", variant, " is not supported by this CPU");
   const at::Tensor wide = x.to(at::kFloat).contiguous();
   const int64_t m = x.size(0), n = packed.size(0) * kCols;
