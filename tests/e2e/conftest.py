@@ -112,7 +112,9 @@ def page(browser, app_server):
     page = context.new_page()
     page.set_default_timeout(60_000)
     page.goto(app_server.url)
-    page.get_by_label("Prompt", exact=True).wait_for()  # Gradio renders after fetching its config
+    # Gradio renders after fetching its config, in pieces: the prompt and the Run button (drawn after it) visible
+    page.get_by_label("Prompt", exact=True).wait_for()
+    page.locator("#run-button").wait_for()
     yield page
     context.close()
 
