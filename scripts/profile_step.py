@@ -18,8 +18,15 @@ and 16 rows with ATen's low-bit kernels and with the op's row-efficient ones (la
 interleaved the same way. `--batched-steps 1,4,8,16` times one batched decode step (`lab.engine.runtime.decode_steps`,
 B sequences with their own caches in one forward, as `lab distill` runs them) per B, interleaved the same way.
 
+`--loop step|verify` only runs that call --steps times after a warm-up (the first precision), for a sampling
+profiler outside Python, which sees the C++ frames torch.profiler cannot split (the op's attention, its kernels,
+libgomp's waits; --delay skips the model's loading):
+
+    perf record -F 1999 --delay 15000 -o /tmp/v.data -- python scripts/profile_step.py --precisions int4 --loop verify --steps 700
+    perf report -i /tmp/v.data --stdio --no-children --sort dso,symbol --percent-limit 0.5
+
 usage: python scripts/profile_step.py [--precisions bf16,int8,int4] [--steps 40] [--nodes 16] [--compare-native]
-       [--compare-lowbit] [--batched-steps 1,4,8,16]
+       [--compare-lowbit] [--batched-steps 1,4,8,16] [--loop step|verify]
 """
 
 from __future__ import annotations
@@ -209,9 +216,16 @@ def main() -> None:
     parser.add_argument("--compare-native", action="store_true", help="C++ layers off / on, interleaved")
     parser.add_argument("--compare-lowbit", action="store_true", help="ATen's / the op's low-bit kernels, interleaved")
     parser.add_argument("--batched-steps", default=None, help="e.g. 1,4,8,16,32: decode_steps over B sequences")
+    parser.add_argument("--loop", choices=("step", "verify"), help="only run this call --steps times (for perf)")
     args = parser.parse_args()
     native = native_forward.enabled()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}, C++ layers {native}\n")
+    if args.loop:
+        loaded = load_model("smollm2-135m", device="cpu", dtype=args.dtype, precision=args.precisions.split(",")[0])
+        with torch.inference_mode():
+            fn = dict(zip(("step", "verify"), step_calls(loaded, args.nodes), strict=True))[args.loop]
+            print(f"{loaded.precision} {args.loop}: median {median_ms(fn, args.steps):.2f} ms over {args.steps} calls")
+        return
     if args.batched_steps:
         lines = ["| precision | sequences B | median ms | x B = 1 | tokens/s |", "|---|---|---|---|---|"]
         for precision in args.precisions.split(","):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -152,7 +153,11 @@ def cached_features(
         raise InputError(f"The feature cache {cache_path} does not match {ids_path}: {'; '.join(differ)}.")
     if differ != ["missing"]:
         log(f"feature cache {cache_path} was made from other inputs: {'; '.join(differ)}; recomputing")
+    started = time.perf_counter()
     rows = teacher_forced(loaded, shard, top_k, layers)
+    seconds = time.perf_counter() - started
+    count = int(rows["hidden"].shape[0])
+    log(f"{ids_path.name}: {count:,} rows of features in {seconds:.1f} s ({count / max(seconds, 1e-9):,.0f} rows/s)")
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     partial = cache_path.with_name(cache_path.name + ".partial")
     save_file(rows, str(partial), metadata=expected)
