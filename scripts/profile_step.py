@@ -22,7 +22,8 @@ B sequences with their own caches in one forward, as `lab distill` runs them) pe
 profiler outside Python, which sees the C++ frames torch.profiler cannot split (the op's attention, its kernels,
 libgomp's waits; --delay skips the model's loading):
 
-    perf record -F 1999 --delay 15000 -o /tmp/v.data -- python scripts/profile_step.py --precisions int4 --loop verify --steps 700
+    perf record -F 1999 --delay 15000 -o /tmp/v.data -- \
+        python scripts/profile_step.py --precisions int4 --loop verify --steps 700
     perf report -i /tmp/v.data --stdio --no-children --sort dso,symbol --percent-limit 0.5
 
 usage: python scripts/profile_step.py [--precisions bf16,int8,int4] [--steps 40] [--nodes 16] [--compare-native]
@@ -223,7 +224,8 @@ def main() -> None:
     if args.loop:
         loaded = load_model("smollm2-135m", device="cpu", dtype=args.dtype, precision=args.precisions.split(",")[0])
         with torch.inference_mode():
-            fn = dict(zip(("step", "verify"), step_calls(loaded, args.nodes), strict=True))[args.loop]
+            decode, verify = step_calls(loaded, args.nodes)
+            fn = decode if args.loop == "step" else verify
             print(f"{loaded.precision} {args.loop}: median {median_ms(fn, args.steps):.2f} ms over {args.steps} calls")
         return
     if args.batched_steps:
