@@ -217,9 +217,8 @@ def test_w8a8_rows_give_the_heads_own_columns() -> None:
         assert rows(x).shape == (5, 7) and rows.weight.shape == (7, 64)
         assert torch.equal(rows(x), head(x)[:, index])
         assert torch.equal(rows.weight, head.weight[index])
-        blocks = Q8Blocks(
-            unpack_w8a8(head.packed, head.scales).q[index], unpack_w8a8(head.packed, head.scales).d[index]
-        )
+        whole = unpack_w8a8(head.packed, head.scales)
+        blocks = Q8Blocks(whole.q[index], whole.d[index])
         assert torch.equal(w8a8_reference(x, blocks), head(x)[:, index])
 
 
