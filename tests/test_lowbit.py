@@ -16,14 +16,20 @@ from lab.engine.quant import (
     GROUP,
     Int4Linear,
     Int8Linear,
+    Q8Blocks,
     W4A8Linear,
+    W8A8Linear,
     pack_w4a8,
+    pack_w8a8,
     q4_from_weight,
+    q8_from_weight,
     quantize_activations,
     quantize_model,
     set_lowbit_kernels,
     unpack_w4a8,
+    unpack_w8a8,
     w4a8_reference,
+    w8a8_reference,
 )
 from tests.test_lean_forward import _forwards
 from tests.tiny import ByteTokenizer, tiny_llama
@@ -147,12 +153,73 @@ def test_w4a8_forwards_without_the_op_give_its_bits(monkeypatch) -> None:
     assert all(torch.equal(a, b) for a, b in zip(with_op, without, strict=True))
 
 
-def test_w4a8_refuses_what_it_does_not_compute() -> None:
-    module = _w4a8(48, 64, seed=1)
-    with pytest.raises(RuntimeError, match="w4a8_mm"):
-        torch.ops.decoding_lab.w4a8_mm(torch.randn(2, 48), module.packed, module.scales)  # K
-    with pytest.raises(RuntimeError, match="w4a8_mm"):
-        torch.ops.decoding_lab.w4a8_mm(torch.randn(2, 64), module.packed, module.scales.view(torch.float16))
+def test_w4a8_and_w8a8_refuse_what_they_do_not_compute() -> None:
+    module, head = _w4a8(48, 64, seed=1), _w8a8(48, 64, seed=1)
+    for op, linear in ((torch.ops.decoding_lab.w4a8_mm, module), (torch.ops.decoding_lab.w8a8_mm, head)):
+        name = "w4a8_mm" if linear is module else "w8a8_mm"
+        with pytest.raises(RuntimeError, match=name):
+            op(torch.randn(2, 48), linear.packed, linear.scales)  # K
+        with pytest.raises(RuntimeError, match=name):
+            op(torch.randn(2, 64), linear.packed, linear.scales.view(torch.float16))
+    with pytest.raises(RuntimeError, match="w8a8_mm"):
+        torch.ops.decoding_lab.w8a8_mm(torch.randn(2, 64), module.packed, module.scales)  # the w4a8 layout
+
+
+def _w8a8(n: int, k: int, seed: int) -> W8A8Linear:
+    """Q8_0 blocks of a random weight, with the extremes set: a block of -128 (ggml's files may hold it, its own
+    rule does not make it), a block of zeros and one of 127."""
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.02
+    blocks = q8_from_weight(weight)
+    blocks.q[0, :GROUP], blocks.q[1 % n, :GROUP], blocks.q[2 % n, -GROUP:] = -128, 0, 127
+    return W8A8Linear(blocks, None, torch.bfloat16)
+
+
+def test_the_w8a8_layout_holds_the_q8_0_blocks() -> None:
+    weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(2))
+    blocks = q8_from_weight(weight)
+    assert int(blocks.q.abs().max()) == 127 and torch.equal(blocks.d, blocks.d.half().float())
+    dequantized = blocks.d.repeat_interleave(GROUP, 1) * blocks.q.float()
+    assert (dequantized - weight).abs().max() <= blocks.d.max() * 0.5 * 1.01  # half a step (d rounded to fp16)
+    unpacked = unpack_w8a8(*pack_w8a8(blocks))
+    assert torch.equal(unpacked.q, blocks.q) and torch.equal(unpacked.d, blocks.d)
+    module = W8A8Linear(blocks, None, torch.bfloat16)
+    scales = module.scales.clone()
+    module.to(torch.float32)  # a dtype cast leaves the fp16 bits alone
+    assert torch.equal(module.scales, scales)
+
+
+@pytest.mark.parametrize("n,k", [(1536, 576), (96, 1536), (48, 64), (16, 32)])
+def test_every_w8a8_variant_returns_the_python_definitions_bits(n: int, k: int) -> None:
+    """Every instruction-set variant this CPU runs against `quant.w8a8_reference`, for bf16, fp16 and float32 rows,
+    any row count, with an all-zero activation block and weight blocks of -128, 0 and 127."""
+    variants = list(torch.ops.decoding_lab.w4a8_variants())
+    module = _w8a8(n, k, seed=n + k)
+    blocks = unpack_w8a8(module.packed, module.scales)
+    generator = torch.Generator().manual_seed(k)
+    for rows in ROWS:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = (torch.randn(rows, k, generator=generator) * 3).to(dtype)
+            x[0, :GROUP] = 0
+            expected = w8a8_reference(x, blocks)
+            for variant in variants:
+                got = torch.ops.decoding_lab.w8a8_mm(x, module.packed, module.scales, variant)
+                assert got.dtype == dtype and torch.equal(got, expected), (rows, dtype, variant)
+
+
+def test_w8a8_rows_give_the_heads_own_columns() -> None:
+    """`W8A8Linear.rows` (a draft vocabulary of the LM head, any size): the same bits as those columns of the whole
+    head, with the op and with the PyTorch definition."""
+    head = _w8a8(160, 64, seed=4)
+    index = torch.tensor([3, 159, 0, 77, 16, 17, 100])  # 7 rows: padded to a tile inside
+    rows = W8A8Linear.rows(head, index)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert rows(x).shape == (5, 7) and rows.weight.shape == (7, 64)
+        assert torch.equal(rows(x), head(x)[:, index])
+        assert torch.equal(rows.weight, head.weight[index])
+        whole = unpack_w8a8(head.packed, head.scales)
+        blocks = Q8Blocks(whole.q[index], whole.d[index])
+        assert torch.equal(w8a8_reference(x, blocks), head(x)[:, index])
 
 
 def _verify_run(model) -> list[torch.Tensor]:

@@ -16,6 +16,7 @@ from lab.engine.quant import (
     Int4Linear,
     Int8Linear,
     W4A8Linear,
+    W8A8Linear,
     permute_rows_like_hf,
     precision_of,
     q4_from_gguf_blocks,
@@ -118,11 +119,15 @@ def test_quantized_copy_replaces_the_linears_and_keeps_a_tied_embedding() -> Non
     model.lm_head.weight = model.model.embed_tokens.weight
     loaded = wrap_model(model, ByteTokenizer(), "tiny-tied")
     embedding = model.model.embed_tokens.weight.detach().clone()
-    for precision, layer_kind in (("int8", Int8Linear), ("int4", Int4Linear)):
+    for precision, layer_kind, head_kind in (
+        ("int8", Int8Linear, Int8Linear),
+        ("int4", Int4Linear, Int8Linear),
+        ("w4a8", W4A8Linear, W8A8Linear),
+    ):
         quantized = quantized_copy(loaded, precision)
         q = quantized.model
         assert precision_of(q) == precision == quantized.precision and quantized.vocab_size == loaded.vocab_size
-        assert isinstance(q.model.layers[0].mlp.down_proj, layer_kind) and isinstance(q.lm_head, Int8Linear)
+        assert isinstance(q.model.layers[0].mlp.down_proj, layer_kind) and type(q.lm_head) is head_kind
         assert torch.equal(q.model.embed_tokens.weight, embedding)  # the lookup keeps the float rows
         prompt = [5, 9, 77, 3]
         ids = torch.tensor([prompt])
@@ -205,6 +210,16 @@ def test_embedded_int4_holds_the_gguf_weights_and_decodes(embedded) -> None:
     assert len(set(greedy)) > 1 and tokens(int4, "speculative", prompt, max_new_tokens=24) == greedy
     for name in ("eagle", "medusa"):  # the shipped heads read the int4 target's hidden states
         assert tokens(int4, name, prompt, max_new_tokens=24) == greedy, name
+
+
+@pytest.mark.embedded
+def test_embedded_w4a8_head_holds_the_files_q8_0_blocks(embedded) -> None:
+    """At w4a8 the LM head is the GGUF's own Q8_0 token embedding (tied): d q equals the float model's head exactly."""
+    from lab.engine.models import load_model
+
+    w4a8 = load_model("smollm2-135m", device="cpu", dtype="float32", precision="w4a8")
+    assert type(w4a8.lm_head) is W8A8Linear and w4a8.vocab_size == embedded.vocab_size
+    assert torch.equal(w4a8.lm_head.weight, embedded.lm_head.weight)
 
 
 def test_bench_rows_carry_their_precision_and_bad_names_are_refused() -> None:

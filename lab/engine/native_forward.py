@@ -57,7 +57,10 @@ from lab.engine.quant import LOWBIT_SWITCH, Int4Linear, Int8Linear, W4A8Linear, 
 
 SWITCH = "DECODING_LAB_NATIVE_FORWARD"  # "0" keeps every forward on lab.engine.lean_forward's Python loop
 SOURCE = Path(__file__).with_name("native") / "decoder_layers.cpp"
-SOURCES = (SOURCE, *(SOURCE.with_name(f"lowbit_{kind}.cpp") for kind in ("int4", "int8", "w4a8")))  # + low-bit products
+SOURCES = (
+    SOURCE,
+    *(SOURCE.with_name(f"lowbit_{kind}.cpp") for kind in ("int4", "int8", "w4a8", "w8a8")),
+)  # + low-bit products
 EXTENSION = "decoding_lab_native"
 LINEAR_KINDS = {"two-row float": 0, "int8": 1, "int4": 2, "w4a8": 3}  # decoder_layers.cpp's kTwoRowFloat ... kW4A8
 # the attention loop's vector instructions, from the capability PyTorch itself detected on this CPU

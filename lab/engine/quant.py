@@ -18,11 +18,16 @@ the weights in fewer bits and multiplying them with PyTorch's CPU kernels cuts t
   half to even (ggml's roundf rounds halves away from zero), and the blocks are added in a fixed order in float32.
   Its activation rounding costs some agreement with the float model (docs/benchmarks.md, quality per precision),
   so the default stays int4.
+- `W8A8Linear` (the LM head at precision "w4a8"): ggml's Q8_0 blocks (w = d q, q in [-128, 127], d in fp16 per 32
+  inputs; the GGUF's own when it stores the head or the tied embedding so) times the same 8-bit activation blocks:
+  y = sum_g (d_w d_x) sum_j q_w,j q_x,j in block order, llama.cpp's numerics for a Q8_0 tensor
+  (lab/engine/native/lowbit_w8a8.cpp; `w8a8_reference` gives the same bits in PyTorch). `W8A8Linear.rows` gives a
+  draft head the rows of its draft vocabulary.
 - `quantize_model(model, precision, gguf_path)`: replaces the decoder layers' linears and the LM head in place.
   With a GGUF file whose linears are Q4_1 (the embedded model), int4 and w4a8 take the file's own blocks (the same
   weights the file holds, no second rounding); otherwise the groups are quantized from the float weights with
   ggml's Q4_1 rule (d = (max - min) / 15, m = min, q = round((w - m) / d)). The LM head goes to int8 per
-  channel at both precisions (the embedded file stores it as Q8_0, finer than 4 bits). Weight tying is kept
+  channel at int8 and int4, to Q8_0 blocks at w4a8 (the embedded file stores it as Q8_0, finer than 4 bits). Weight tying is kept
   working: the input embedding is a separate module and keeps its own float weight for the lookup.
 - `resolve_precision("auto", ...)`: bf16 (no weight quantization) on CUDA and MPS; on CPU the choice of
   `lab.engine.defaults` (low-bit weights always with the bfloat16 activations their kernels are fast in).
@@ -36,7 +41,7 @@ the weights in fewer bits and multiplying them with PyTorch's CPU kernels cuts t
 Hidden states, norms, attention and the embedding are untouched, so early exits (DoLa) and the draft heads
 (EAGLE, Medusa, MTPC) see the same kind of tensors at every precision; a quantized module's `weight` property
 dequantizes on demand for code that reads the matrix (the heads' LM-head rows).
-Not covered: activation quantization of the int8 LM head, GPU kernels (CUDA keeps bf16), Medusa's and MTPC's
+Not covered: activation quantization of the int8 LM head (w4a8's head has it), GPU kernels (CUDA keeps bf16), Medusa's and MTPC's
 heads (EAGLE's head takes the target's precision: `lab.heads.eagle.serving_head`), layers whose
 shapes the 4-bit kernel refuses (output features not divisible by 16 or input features by the group) take int8.
 """
@@ -236,7 +241,7 @@ class Int4Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-W4A8_TILE = 16  # output columns per tile of the w4a8 layout (lab/engine/native/lowbit_w4a8.cpp)
+A8_TILE = 16  # output columns per tile of the w4a8 and w8a8 layouts (lab/engine/native/lowbit_a8.h)
 
 
 def pack_w4a8(groups: Q4Groups) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,22 +250,22 @@ def pack_w4a8(groups: Q4Groups) -> tuple[torch.Tensor, torch.Tensor]:
     its high one) and scales [N / 16, K / 32, 2, 16] int16, the bits of fp16 values (d, then m, as ggml's block_q4_1
     stores them; integer so that a module's `.to(dtype)` leaves them alone)."""
     n, k = groups.q.shape
-    tiles, blocks = n // W4A8_TILE, k // GROUP
-    q = groups.q.to(torch.uint8).reshape(tiles, W4A8_TILE, blocks, 4, 2, 4)  # [t, c, g, p, high, i]
+    tiles, blocks = n // A8_TILE, k // GROUP
+    q = groups.q.to(torch.uint8).reshape(tiles, A8_TILE, blocks, 4, 2, 4)  # [t, c, g, p, high, i]
     q = q.permute(0, 2, 3, 1, 5, 4)  # [t, g, p, c, i, high]
     packed = (q[..., 0] | (q[..., 1] << 4)).reshape(tiles, blocks, 4 * 64).contiguous()
     scales = torch.stack([groups.d, groups.m])  # [2, N, K / 32]
-    scales = scales.to(torch.float16).reshape(2, tiles, W4A8_TILE, blocks).permute(1, 3, 0, 2).contiguous()
+    scales = scales.to(torch.float16).reshape(2, tiles, A8_TILE, blocks).permute(1, 3, 0, 2).contiguous()
     return packed, scales.view(torch.int16)
 
 
 def unpack_w4a8(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`pack_w4a8` undone: q [N, K] uint8 in [0, 15], d and m [N, K / 32] float32 (the fp16 values, widened)."""
     tiles, blocks = packed.shape[:2]
-    parts = packed.reshape(tiles, blocks, 4, W4A8_TILE, 4)  # [t, g, p, c, i]
+    parts = packed.reshape(tiles, blocks, 4, A8_TILE, 4)  # [t, g, p, c, i]
     q = torch.stack([parts & 15, parts >> 4], dim=-1)  # [t, g, p, c, i, high]
-    q = q.permute(0, 3, 1, 2, 5, 4).reshape(tiles * W4A8_TILE, blocks * GROUP)
-    d, m = scales.view(torch.float16).float().permute(2, 0, 3, 1).reshape(2, tiles * W4A8_TILE, blocks)
+    q = q.permute(0, 3, 1, 2, 5, 4).reshape(tiles * A8_TILE, blocks * GROUP)
+    d, m = scales.view(torch.float16).float().permute(2, 0, 3, 1).reshape(2, tiles * A8_TILE, blocks)
     return q, d, m
 
 
@@ -333,8 +338,131 @@ class W4A8Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+@dataclass(frozen=True)
+class Q8Blocks:
+    """ggml's Q8_0 blocks of a weight [N, K]: w = d q with q [N, K] int8 and one scale d per 32 inputs, d [N, K / 32]
+    float32 holding fp16 values (block_q8_0 stores d in fp16)."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+
+
+def q8_from_weight(weight: torch.Tensor) -> Q8Blocks:
+    """ggml's Q8_0 rule (quantize_row_q8_0_ref): d = max |w| / 127 per block of 32, rounded to fp16, and q =
+    round(w / d) with d before that rounding; halves round to even here (ggml's roundf: away from zero)."""
+    n, k = weight.shape
+    blocks = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    d = blocks.abs().amax(-1) / 127
+    inverse = torch.where(d != 0, 1 / torch.where(d != 0, d, 1), torch.zeros_like(d))
+    q = torch.round(blocks * inverse[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
+    return Q8Blocks(q, d.to(torch.float16).float())
+
+
+def q8_from_gguf_blocks(raw: np.ndarray, n: int, k: int) -> Q8Blocks:
+    """Q8_0 blocks from a GGUF tensor's raw bytes [N, K / 32 * 34] (per block: fp16 d, then 32 int8 q)."""
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // GROUP, 2 + GROUP)
+    d = blocks[..., :2].copy().view(np.float16).reshape(n, k // GROUP)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+    return Q8Blocks(torch.from_numpy(q.copy()), torch.from_numpy(d.astype(np.float32)))
+
+
+def pack_w8a8(blocks: Q8Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """The w8a8 layout (lab/engine/native/lowbit_w8a8.cpp): packed [N / 16, K / 32, 512] uint8 holding q + 128 (per
+    tile of 16 columns and block, 8 parts of 64 bytes; byte 4c + i of part p holds input 4p + i of column c) and
+    scales [N / 16, K / 32, 16] int16, the bits of the fp16 d."""
+    n, k = blocks.q.shape
+    tiles, groups = n // A8_TILE, k // GROUP
+    q = (blocks.q.to(torch.int16) + 128).to(torch.uint8).reshape(tiles, A8_TILE, groups, 8, 4)  # [t, c, g, p, i]
+    packed = q.permute(0, 2, 3, 1, 4).reshape(tiles, groups, 8 * 64).contiguous()
+    scales = blocks.d.to(torch.float16).reshape(tiles, A8_TILE, groups).permute(0, 2, 1).contiguous()
+    return packed, scales.view(torch.int16)
+
+
+def unpack_w8a8(packed: torch.Tensor, scales: torch.Tensor) -> Q8Blocks:
+    """`pack_w8a8` undone."""
+    tiles, groups = packed.shape[:2]
+    q = packed.reshape(tiles, groups, 8, A8_TILE, 4).permute(0, 3, 1, 2, 4).reshape(tiles * A8_TILE, groups * GROUP)
+    d = scales.view(torch.float16).float().permute(0, 2, 1).reshape(tiles * A8_TILE, groups)
+    return Q8Blocks((q.to(torch.int16) - 128).to(torch.int8), d)
+
+
+def w8a8_reference(x: torch.Tensor, blocks: Q8Blocks) -> torch.Tensor:
+    """The w8a8 product in PyTorch, bit for bit the op's (lowbit_w8a8.cpp): x [M, K] times Q8_0 blocks -> [M, N] in
+    x's dtype. The block dot products are exact in a float32 matrix product (integers below 2^24); the blocks are
+    then added in order, one rounding per operation."""
+    xq, dx, _ = quantize_activations(x)  # [M, G, 32], [M, G]
+    groups = xq.shape[1]
+    weights = blocks.q.float().reshape(blocks.q.shape[0], groups, GROUP).permute(1, 2, 0)  # [G, 32, N]
+    dots = torch.bmm(xq.transpose(0, 1), weights).permute(1, 2, 0)  # [M, N, G]
+    products = (blocks.d[None] * dx[:, None]) * dots  # (d_w d_x) i
+    acc = torch.zeros(x.shape[0], blocks.q.shape[0])
+    for g in range(groups):
+        acc = acc + products[..., g]
+    return acc.to(x.dtype)
+
+
+class W8A8Linear(nn.Module):
+    """y = x W^T + b with W as Q8_0 blocks and x quantized per row to 8-bit blocks of 32: integer dot products,
+    llama.cpp's numerics for a Q8_0 tensor (lab/engine/native/lowbit_w8a8.cpp states them); the LM head at precision
+    w4a8. The op's kernel runs where it is built (AVX-512 VNNI, AVX-VNNI, AVX2 or plain C++, the same bits); without
+    it `w8a8_reference` computes the same bits in PyTorch."""
+
+    def __init__(self, blocks: Q8Blocks, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        n, k = blocks.q.shape
+        packed, scales = pack_w8a8(blocks)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        self.in_features, self.out_features = k, n
+        self.dtype = dtype
+        self._unpacked: tuple | None = None  # (packed, its blocks) for the reference, made on first use
+
+    @classmethod
+    def rows(cls, source: W8A8Linear, index: torch.Tensor) -> W8A8Linear:
+        """A linear of the output rows `index` of `source` (the same blocks; a draft head's logits over its draft
+        vocabulary from the target's LM head), padded with zero rows to a whole tile and cut back in forward."""
+        blocks = unpack_w8a8(source.packed, source.scales)
+        index = index.long().to(blocks.q.device)
+        count = int(index.numel())
+        pad = -count % A8_TILE
+        q, d = blocks.q.index_select(0, index), blocks.d.index_select(0, index)
+        if pad:
+            q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
+            d = torch.cat([d, d.new_zeros(pad, d.shape[1])])
+        bias = None if source.bias is None else source.bias.index_select(0, index.to(source.bias.device))
+        linear = cls(Q8Blocks(q, d), None, source.dtype)
+        linear.register_buffer("bias", bias)
+        linear.out_features = count
+        return linear
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized matrix [N, K] (d q in float32, then the activation dtype)."""
+        blocks = unpack_w8a8(self.packed, self.scales)
+        q = blocks.q.float().reshape(blocks.q.shape[0], -1, GROUP)
+        return (blocks.d[..., None] * q).reshape(blocks.q.shape)[: self.out_features].to(self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        flat = _activations(x, self.in_features, self.dtype)  # [M, K]
+        ops = _lowbit_ops(any_setting=True)
+        if ops is not None:
+            y = ops.w8a8_mm(flat, buffers["packed"], buffers["scales"])
+        else:
+            packed = buffers["packed"]
+            if self._unpacked is None or self._unpacked[0] is not packed:
+                self._unpacked = (packed, unpack_w8a8(packed, buffers["scales"]))
+            y = w8a8_reference(flat, self._unpacked[1])
+        if y.shape[-1] != self.out_features:
+            y = y[:, : self.out_features]
+        if buffers["bias"] is not None:
+            y = y + buffers["bias"]
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
 # the dimension along the output features of each low-bit linear's weight buffers (Int4Linear: packed [N, K / 2],
-# scales_and_zeros [K / 32, N, 2]; W4A8Linear: whole tiles of 16 columns, which int4_supported guarantees)
+# scales_and_zeros [K / 32, N, 2]; W4A8Linear: whole tiles of 16 columns, which fits_block_tiles guarantees)
 _OUTPUT_DIMS = {
     Int4Linear: {"packed": 0, "scales_and_zeros": 1},
     Int8Linear: {"qweight": 0, "scales": 0},
@@ -405,28 +533,31 @@ def joined_linears(owner: nn.Module, names: tuple[str, ...]) -> JoinedLinears:
     return cached
 
 
-def int4_supported(linear: nn.Linear) -> bool:
+def fits_block_tiles(linear: nn.Linear) -> bool:
+    """Whether the block formats take this shape: output columns in whole tiles of 16 (the int4 packing and the
+    8-bit-activation kernels) and inputs in whole blocks of 32 (Q4_1 / Q8_0)."""
     return linear.out_features % 16 == 0 and linear.in_features % GROUP == 0
 
 
-def read_gguf_q4(gguf_path: Path) -> dict[str, tuple[np.ndarray, int, int]]:
-    """name -> (raw Q4_1 bytes, N, K) for every Q4_1 tensor of a GGUF file (read by the `gguf` package)."""
+def read_gguf_blocks(gguf_path: Path) -> dict[str, tuple[str, np.ndarray, int, int]]:
+    """name -> (block type "Q4_1" or "Q8_0", raw bytes, N, K) for every tensor of a GGUF file stored in those blocks
+    (read by the `gguf` package)."""
     from gguf import GGMLQuantizationType, GGUFReader
 
     reader = GGUFReader(str(gguf_path))
     out = {}
     for tensor in reader.tensors:
-        if tensor.tensor_type == GGMLQuantizationType.Q4_1:
+        if tensor.tensor_type in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
             k, n = (int(v) for v in tensor.shape)  # GGUF lists the contiguous (input) dimension first
-            out[tensor.name] = (np.asarray(tensor.data), n, k)
+            out[tensor.name] = (tensor.tensor_type.name, np.asarray(tensor.data), n, k)
     return out
 
 
 def _gguf_groups(blocks: dict, layer: int, name: str, config) -> Q4Groups | None:
     key = f"blk.{layer}.{GGUF_NAMES[name]}.weight"
-    if key not in blocks:
+    if key not in blocks or blocks[key][0] != "Q4_1":
         return None
-    raw, n, k = blocks[key]
+    _, raw, n, k = blocks[key]
     groups = q4_from_gguf_blocks(raw, n, k)
     if name == "q_proj":
         return permute_rows_like_hf(groups, int(config.num_attention_heads))
@@ -439,7 +570,7 @@ FOUR_BIT = {"int4": Int4Linear, "w4a8": W4A8Linear}  # the precisions of Q4_1 we
 
 
 def _replacement(linear: nn.Linear, precision: str, dtype: torch.dtype, groups: Q4Groups | None) -> nn.Module:
-    if precision in FOUR_BIT and int4_supported(linear):
+    if precision in FOUR_BIT and fits_block_tiles(linear):
         if groups is None or tuple(groups.q.shape) != tuple(linear.weight.shape):
             groups = q4_from_weight(linear.weight)
         return FOUR_BIT[precision](groups, linear.bias, dtype)
@@ -469,7 +600,7 @@ def quantize_model(
         return {}
     if precision not in ("int8", *FOUR_BIT):
         raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    blocks = read_gguf_q4(gguf_path) if gguf_path is not None and precision in FOUR_BIT else {}
+    blocks = read_gguf_blocks(gguf_path) if gguf_path is not None and precision in FOUR_BIT else {}
     counts: dict[str, int] = {}
     for index, layer in enumerate(model.get_decoder().layers):
         for parent in (layer.self_attn, layer.mlp):
@@ -483,9 +614,24 @@ def quantize_model(
                     counts[kind] = counts.get(kind, 0) + 1
     head = model.get_output_embeddings()
     if isinstance(head, nn.Linear):
-        model.set_output_embeddings(Int8Linear(head.weight, head.bias, dtype))  # the embedding keeps its weight
-        counts["Int8Linear head"] = 1
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        new_head = _head_replacement(head, precision, dtype, blocks, tied)
+        model.set_output_embeddings(new_head)  # the input embedding keeps its own float weight
+        counts[f"{type(new_head).__name__} head"] = 1
     return counts
+
+
+def _head_replacement(head: nn.Linear, precision: str, dtype: torch.dtype, blocks: dict, tied: bool) -> nn.Module:
+    """The LM head at `precision`: w4a8 takes Q8_0 blocks (the GGUF's own, `output.weight`, or `token_embd.weight`
+    when the model ties them; else quantized from the float weight), times 8-bit activation blocks; the other
+    low-bit precisions, and shapes the w8a8 layout does not take, int8 per channel."""
+    if precision == "w4a8" and fits_block_tiles(head):
+        for name in ("output.weight", "token_embd.weight") if tied else ("output.weight",):
+            kind, raw, n, k = blocks.get(name, ("", None, 0, 0))
+            if kind == "Q8_0" and (n, k) == tuple(head.weight.shape):
+                return W8A8Linear(q8_from_gguf_blocks(raw, n, k), head.bias, dtype)
+        return W8A8Linear(q8_from_weight(head.weight), head.bias, dtype)
+    return Int8Linear(head.weight, head.bias, dtype)
 
 
 def precision_of(model: nn.Module) -> str:

@@ -36,7 +36,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from lab.engine.models import LoadedModel
-from lab.engine.quant import Int8Linear, quantize_linears
+from lab.engine.quant import Int8Linear, W8A8Linear, quantize_linears
 
 KIND = "eagle"
 
@@ -100,7 +100,7 @@ class EagleHead(nn.Module):
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft logits over V_d: W_lm[V_d] f_hat (the target's frozen LM head rows). [..., V_d]"""
-        rows = self._target.get("lm_rows")  # the int8 rows of `serving_head`
+        rows = self._target.get("lm_rows")  # the low-bit rows of `serving_head`
         if rows is not None:
             return rows(features)
         weight = self._target["lm_weight"]
@@ -120,17 +120,18 @@ def build_head(loaded: LoadedModel, vocab: torch.Tensor, tensors: dict[str, torc
 
 
 def serving_head(head: EagleHead, loaded: LoadedModel) -> EagleHead:
-    """The head as the strategy runs it. For a CPU target whose linears are low-bit (int8 / int4, with its int8 LM
-    head), the head's fc and decoder layer take the target's precision and its draft logits the int8 rows V_d of
-    the target's LM head, so each draft step runs the target's row-efficient low-bit kernels instead of float
-    products: the draft distribution changes by the weights' rounding (as the target's does at that precision);
+    """The head as the strategy runs it. For a CPU target whose linears are low-bit (int8 / int4 with its int8 LM
+    head, w4a8 with its Q8_0 one), the head's fc and decoder layer take the target's precision and its draft logits
+    the rows V_d of the target's LM head, so each draft step runs the target's row-efficient low-bit kernels instead
+    of float products: the draft distribution changes by the weights' rounding (as the target's does at that precision);
     verification, and so the output, does not. Other targets keep the head as built. In place; returns it."""
     if loaded.device.type != "cpu" or loaded.precision not in ("int8", "int4", "w4a8"):
         return head
-    if not isinstance(loaded.lm_head, Int8Linear) or head.draft_vocab_size == loaded.vocab_size:
+    lm_head = loaded.lm_head
+    if type(lm_head) not in (Int8Linear, W8A8Linear) or head.draft_vocab_size == loaded.vocab_size:
         return head
     quantize_linears(head, loaded.precision, loaded.dtype)
-    head._target["lm_rows"] = Int8Linear.rows(loaded.lm_head, head.vocab)
+    head._target["lm_rows"] = type(lm_head).rows(lm_head, head.vocab)
     return head
 
 

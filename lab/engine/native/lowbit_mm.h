@@ -40,4 +40,10 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
 bool w4a8_takes(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);
 at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t variant);
 
+// x [M, K] (bf16, fp16 or float32) times 8-bit weight blocks (ggml's Q8_0) with 8-bit activation blocks
+// (lowbit_w8a8.cpp: packed [N / 16, K / 32, 512] uint8, scales [N / 16, K / 32, 16] int16 holding fp16 bits) -> [M, N]
+// in x's dtype; the same bits in every variant of the w4a8 product, at any row and thread count.
+bool w8a8_takes(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);
+at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t variant);
+
 }  // namespace lowbit

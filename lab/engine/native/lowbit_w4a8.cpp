@@ -14,61 +14,26 @@
 // 4c + i of part p holds input 8p + i of column c in its low nibble and input 8p + 4 + i in its high nibble (so each
 // 32-bit lane of a 64-byte part is one column's 4 consecutive inputs, the operand of a VNNI dot product), then the
 // block's scales d and minima m as fp16 bits [tiles, K / 32, 2, 16] (an int16 tensor).
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
 #include <tuple>
-#include <vector>
 
-#include "lowbit_common.h"
+#include "lowbit_a8.h"
 
 namespace lowbit {
 namespace {
 
-constexpr int64_t kBlock = 32;       // inputs per weight / activation block (lab.engine.quant.GROUP)
-constexpr int64_t kCols = 16;        // output columns per tile
+using a8::half_value;
+using a8::kBlock;
+using a8::kCols;
+using a8::Q8Rows;
 constexpr int64_t kBlockBytes = 256;  // one tile's nibbles of one block: 4 parts of 64 bytes
-constexpr int kMaxRows = 8;          // rows per pass over a tile's weights (registers)
 
 struct W4Weights {
   const uint8_t* packed;   // [N / 16, K / 32, 256]
   const uint16_t* scales;  // [N / 16, K / 32, 2, 16] fp16 bits: d, then m
   int64_t n, k;
 };
-
-struct Q8Rows {  // step 1's quantized activations
-  std::vector<int8_t> q;  // [M, K]
-  std::vector<float> d, s;  // [M, K / 32]
-  int64_t m = 0;
-};
-
-inline float half_value(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
-
-void quantize_rows(const float* x, int64_t m, int64_t k, Q8Rows& out) {
-  const int64_t blocks = k / kBlock;
-  out.m = m;
-  out.q.resize(m * k);
-  out.d.resize(m * blocks);
-  out.s.resize(m * blocks);
-  for (int64_t b = 0; b < m * blocks; ++b) {
-    const float* v = x + b * kBlock;
-    float amax = 0.0f;
-    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
-    const float d = amax / 127.0f;
-    const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
-    int32_t sum = 0;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      const float scaled = v[j] * inverse;
-      const int32_t q = static_cast<int32_t>(std::nearbyint(scaled));  // the default rounding: half to even
-      out.q[b * kBlock + j] = static_cast<int8_t>(q);
-      sum += q;
-    }
-    out.d[b] = d;
-    out.s[b] = d * static_cast<float>(sum);
-  }
-}
 
 // step 3 for one (row, column): the blocks' integer dot products `dots` [K / 32] combined in block order
 inline float combine(const float* dw, const float* mw, int64_t stride, const float* dx, const float* sx,
@@ -232,59 +197,23 @@ LOWBIT_W4A8_TILE_256(tile_avxvnni, "avx2,fma,f16c,avxvnni", LOWBIT_DOT_AVXVNNI)
 
 using TileFn = void (*)(const Q8Rows&, int64_t, const W4Weights&, int64_t, float*);
 
-template <template <int> class Pick>
-TileFn pick_rows(int rows) {
-  switch (rows) {
-    case 1: return Pick<1>::fn;
-    case 2: return Pick<2>::fn;
-    case 3: return Pick<3>::fn;
-    case 4: return Pick<4>::fn;
-    case 5: return Pick<5>::fn;
-    case 6: return Pick<6>::fn;
-    case 7: return Pick<7>::fn;
-    default: return Pick<8>::fn;
-  }
-}
-
 template <int R> struct Avx512Vnni { static constexpr TileFn fn = tile_avx512vnni<R>; };
 template <int R> struct AvxVnni { static constexpr TileFn fn = tile_avxvnni<R>; };
 template <int R> struct Avx2 { static constexpr TileFn fn = tile_avx2<R>; };
 
 TileFn tile_kernel(int64_t variant, int rows) {
-  if (variant == kAvx512Vnni) return pick_rows<Avx512Vnni>(rows);
-  if (variant == kAvxVnni) return pick_rows<AvxVnni>(rows);
-  return pick_rows<Avx2>(rows);
+  if (variant == kAvx512Vnni) return a8::pick_rows<TileFn, Avx512Vnni>(rows);
+  if (variant == kAvxVnni) return a8::pick_rows<TileFn, AvxVnni>(rows);
+  return a8::pick_rows<TileFn, Avx2>(rows);
 }
 
 void w4a8_vector(int64_t variant, const Q8Rows& a, const W4Weights& w, float* out) {
-  const int64_t tiles = w.n / kCols;
-  // rows in passes of at most kMaxRows, of even size (9 rows as 5 + 4, not 8 + 1)
-  const int64_t passes = (a.m + kMaxRows - 1) / kMaxRows, per_pass = (a.m + passes - 1) / passes;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t r0 = 0; r0 < a.m; r0 += per_pass) {
-        const int rows = static_cast<int>(std::min(per_pass, a.m - r0));
-        tile_kernel(variant, rows)(a, r0, w, t, out);
-      }
-    }
-  });
-}
-
-// lowbit_common.h's `supports` for this product's variants; the 256-bit ones also widen the fp16 scales with F16C
-bool w4a8_supports(int64_t variant) {
-  if (variant != kReference && variant != kAvx2 && variant != kAvxVnni && variant != kAvx512Vnni) return false;
-  return supports(variant) && (variant == kReference || variant == kAvx512Vnni || __builtin_cpu_supports("f16c"));
+  a8::over_tiles(a.m, w.n / kCols, [&](int64_t t, int64_t r0, int rows) { tile_kernel(variant, rows)(a, r0, w, t, out); });
 }
 
 }  // namespace
 
-std::vector<int64_t> w4a8_variants() {
-  std::vector<int64_t> out;
-  for (const int64_t v : {kReference, kAvx2, kAvxVnni, kAvx512Vnni}) {
-    if (w4a8_supports(v)) out.push_back(v);
-  }
-  return out;
-}
+std::vector<int64_t> w4a8_variants() { return a8::variants(); }
 
 bool w4a8_takes(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   if (x.dim() != 2 || packed.dim() != 3 || scales.dim() != 4) return false;
@@ -300,15 +229,11 @@ bool w4a8_takes(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
 at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t variant) {
   TORCH_CHECK(w4a8_takes(x, packed, scales), "w4a8_mm: x [M, K] (bf16, fp16 or float32), packed [N / 16, K / 32, ",
               "256] uint8, scales [N / 16, K / 32, 2, 16] int16 (fp16 bits), K a multiple of 32");
-  static const int64_t best = w4a8_variants().back();  // found once, not per product
-  if (variant == kBest) variant = best;
-  TORCH_CHECK(w4a8_supports(variant), "w4a8_mm: instruction-set variant ", variant, " is not supported by this CPU");
-  const at::Tensor wide = x.to(at::kFloat).contiguous();
+  variant = a8::resolve(variant, "w4a8_mm");
   const int64_t m = x.size(0), n = packed.size(0) * kCols;
-  at::Tensor out = at::empty({m, n}, wide.options());
+  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
   if (m == 0 || n == 0) return out.to(x.scalar_type());
-  thread_local Q8Rows rows;
-  quantize_rows(wide.data_ptr<float>(), m, x.size(1), rows);
+  const Q8Rows& rows = a8::quantized(x);
   const W4Weights w{packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()), n, x.size(1)};
   if (variant == kReference) {
     w4a8_reference(rows, w, out.data_ptr<float>());
@@ -321,10 +246,8 @@ at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 // step 1 alone: (q [M, K] int8, d [M, K / 32], s [M, K / 32]) of x, for tests of the Python definition
 std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_quantize(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "w4a8_quantize: x [M, K], K a multiple of 32");
-  const at::Tensor wide = x.to(at::kFloat).contiguous();
   const int64_t m = x.size(0), k = x.size(1);
-  Q8Rows rows;
-  quantize_rows(wide.data_ptr<float>(), m, k, rows);
+  const Q8Rows& rows = a8::quantized(x);
   at::Tensor q = at::empty({m, k}, at::kChar), d = at::empty({m, k / kBlock}, at::kFloat);
   at::Tensor s = at::empty({m, k / kBlock}, at::kFloat);
   std::copy(rows.q.begin(), rows.q.end(), q.data_ptr<int8_t>());
