@@ -27,8 +27,8 @@ the weights in fewer bits and multiplying them with PyTorch's CPU kernels cuts t
   With a GGUF file whose linears are Q4_1 (the embedded model), int4 and w4a8 take the file's own blocks (the same
   weights the file holds, no second rounding); otherwise the groups are quantized from the float weights with
   ggml's Q4_1 rule (d = (max - min) / 15, m = min, q = round((w - m) / d)). The LM head goes to int8 per
-  channel at int8 and int4, to Q8_0 blocks at w4a8 (the embedded file stores it as Q8_0, finer than 4 bits). Weight tying is kept
-  working: the input embedding is a separate module and keeps its own float weight for the lookup.
+  channel at int8 and int4, to Q8_0 blocks at w4a8 (the embedded file stores it as Q8_0, finer than 4 bits).
+  Weight tying is kept working: the input embedding is a separate module and keeps its own float weight.
 - `resolve_precision("auto", ...)`: bf16 (no weight quantization) on CUDA and MPS; on CPU the choice of
   `lab.engine.defaults` (low-bit weights always with the bfloat16 activations their kernels are fast in).
 - With bf16 activations and the C++ op built (`lab.engine.native_forward`), both linears run the op's own products
@@ -41,8 +41,8 @@ the weights in fewer bits and multiplying them with PyTorch's CPU kernels cuts t
 Hidden states, norms, attention and the embedding are untouched, so early exits (DoLa) and the draft heads
 (EAGLE, Medusa, MTPC) see the same kind of tensors at every precision; a quantized module's `weight` property
 dequantizes on demand for code that reads the matrix (the heads' LM-head rows).
-Not covered: activation quantization of the int8 LM head (w4a8's head has it), GPU kernels (CUDA keeps bf16), Medusa's and MTPC's
-heads (EAGLE's head takes the target's precision: `lab.heads.eagle.serving_head`), layers whose
+Not covered: activation quantization of the int8 LM head (w4a8's head has it), GPU kernels (CUDA keeps bf16),
+Medusa's and MTPC's heads (EAGLE's head takes the target's precision: `lab.heads.eagle.serving_head`), layers whose
 shapes the 4-bit kernel refuses (output features not divisible by 16 or input features by the group) take int8.
 """
 
