@@ -17,9 +17,9 @@ import pytest
 from lab.app.builtin_prompts import load_prompts
 from lab.app.validation import validate_request
 from lab.params import InputError
-from lab.tools.bench import HF_ROW, BenchResult, BenchRow, format_table, run_bench, time_strategy
+from lab.tools.bench import HF_ROW, BenchResult, BenchRow, build_requests, format_table, run_bench, time_strategy
 from lab.tools.bench_reference import LlamaCppRow, RunSample, time_hf_generate
-from lab.tools.bench_stats import decode_only, ratio_interval, row_figures, split_fields
+from lab.tools.bench_stats import decode_only, mean_difference_interval, ratio_interval, row_figures, split_fields
 
 
 @pytest.mark.embedded
@@ -89,6 +89,24 @@ def test_run_bench_rejects_a_bad_prompt_file_before_loading(tmp_path: Path) -> N
         run_bench(["greedy"], str(path), model="./no-such-model-dir")
 
 
+def test_labelled_rows_bench_one_strategy_twice_with_their_own_params() -> None:
+    """`LABEL=NAME[@PRECISION]`: the label keys the row and its own --params; the strategy's params reach every
+    row of it, and the label's win for that row."""
+    rows = ["speculative", "short=speculative@int4"]
+    overrides = {"speculative": {"gamma": "3", "max_ngram": "2"}, "short": {"gamma": "1"}}
+    requests = build_requests(rows, ["hi"], 4, 0, "smollm2-135m", "cpu", "float32", overrides, precision="bf16")
+    assert list(requests) == ["speculative", "short"]
+    first, second = requests["speculative"][0], requests["short"][0]
+    assert (first.params.gamma, second.params.gamma) == (3, 1)
+    assert first.params.max_ngram == second.params.max_ngram == 2
+    assert (second.strategy.name, second.precision, first.precision) == ("speculative", "int4", "bf16")
+    for bad in (["=greedy"], ["x@int4=greedy"], ["a=greedy", "a=sample"], ["hf-generate=greedy"]):
+        with pytest.raises(InputError, match="--strategies row|distinct"):
+            build_requests(bad, ["hi"], 4, 0, "smollm2-135m", "cpu", "float32")
+    with pytest.raises(InputError, match="nope"):
+        build_requests(rows, ["hi"], 4, 0, "smollm2-135m", "cpu", "float32", {"nope": {"gamma": "1"}})
+
+
 def _check_split(sample: RunSample) -> None:
     """prefill + (n - 1) / decode rate is the run's end-to-end wall time."""
     wall = sample.metrics["wall_s"]
@@ -142,6 +160,19 @@ def test_interval_is_paired_by_prompt() -> None:
     assert ratio_interval(first, row, 1, decode_only) is None  # one prompt: nothing to resample
     with pytest.raises(ValueError, match="prompts"):
         ratio_interval(first, row, 5)
+
+
+def test_mean_difference_interval_is_paired_and_covers_the_mean() -> None:
+    rng = np.random.default_rng(3)
+    first = rng.uniform(1.5, 3.5, size=24)  # prompts far apart
+    mean, interval = mean_difference_interval(first, first + 0.2)  # every prompt +0.2: no spread to resample
+    assert mean == pytest.approx(0.2) and interval == pytest.approx([0.2, 0.2])
+    noisy = first + rng.normal(0.1, 0.3, size=24)
+    mean, (low, high) = mean_difference_interval(first, noisy)
+    assert low < mean < high and mean == pytest.approx(float(np.mean(noisy - first)), abs=1e-4)
+    assert mean_difference_interval([2.0], [2.5]) == (0.5, None)
+    with pytest.raises(ValueError, match="paired"):
+        mean_difference_interval([1.0, 2.0], [1.0])
 
 
 def test_split_fields_of_first_and_other_rows() -> None:

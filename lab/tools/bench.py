@@ -7,12 +7,14 @@ ids on the same model, device, dtype and precision as the reference row "hf-gene
 llama-cpp-python's greedy decoding of the same GGUF (`lab.tools.bench_reference`). Runs are interleaved round-robin (for
 each prompt and repeat: every strategy, then the reference rows) so machine noise hits every row alike, after one
 untimed warm-up run of each row. Per-strategy parameters override the defaults (`--params NAME.key=value`,
-`parse_param_overrides`). `--hf-assist prompt-lookup|self-draft[:L]|MODEL` adds the row "hf-assist": transformers'
-assisted generation (greedy) with prompt lookup (`prompt_lookup_num_tokens`) or an assistant model
-(`assistant_model=`: the lab's self-drafter, the target's first L layers, or a model loaded like the target;
-constant `num_assistant_tokens`), using the speculative (else ssd) row's gamma, max_ngram and draft_layers when one
-is benched (else transformers' defaults: 10 tokens and n-gram 2, or 20 assistant tokens). The HF rows'
-forwards/token count every call of the target module (draft calls too when the assistant is the target). Per row:
+`parse_param_overrides`); a labelled row (`LABEL=NAME`, e.g. `eagle3=eagle`) takes `--params LABEL.key=value` too,
+so one strategy can be benched twice with different parameters (e.g. two heads).
+`--hf-assist prompt-lookup|self-draft[:L]|MODEL` adds the row "hf-assist": transformers' assisted generation (greedy)
+with prompt lookup (`prompt_lookup_num_tokens`) or an assistant model (`assistant_model=`: the lab's self-drafter, the
+target's first L layers, or a model loaded like the target; constant `num_assistant_tokens`), using the speculative
+(else ssd) row's gamma, max_ngram and draft_layers when one is benched (else transformers' defaults: 10 tokens and
+n-gram 2, or 20 assistant tokens). The HF rows' forwards/token count every call of the target module (draft calls too
+when the assistant is the target). Per row:
 median tokens/s (new tokens / wall time of one run, prefill included), speedup against the first strategy's median,
 median prefill ms (prompt to first new token) and median decode-only tokens/s (the tokens after the first over the
 time after it; llama.cpp's both from its own counters), the decode ratio against the first row, bootstrap 95%
@@ -156,10 +158,18 @@ def _check_count(name: str, value: int | None, low: int, high: int | None = None
         raise InputError(f"{name} must be an integer {bound}, got {value!r}.")
 
 
-def split_row(spec: str, precision: str) -> tuple[str, str]:
-    """`NAME@PRECISION` -> (NAME, PRECISION); a plain NAME runs at the bench's `precision`."""
-    name, _, row_precision = spec.partition("@")
-    return name.strip(), row_precision.strip() or precision
+def parse_row(spec: str, precision: str) -> tuple[str, str, str]:
+    """`[LABEL=]NAME[@PRECISION]` -> (LABEL, NAME, PRECISION). The label names the row in the table and in
+    `--params` (e.g. `eagle3=eagle` with `--params eagle3.heads_path=...` benches a second EAGLE head beside
+    `eagle`); without one the row is called by its spec."""
+    label, sep, rest = spec.partition("=")
+    if not sep:
+        label, rest = spec, spec
+    name, _, row_precision = rest.partition("@")
+    if not name.strip() or not label.strip() or sep and "@" in label:
+        raise InputError(f"A --strategies row is [LABEL=]NAME[@PRECISION], got {spec!r}.")
+    label = label.strip()
+    return label, name.strip(), row_precision.strip() or precision
 
 
 def build_requests(
@@ -173,23 +183,26 @@ def build_requests(
     overrides: dict[str, dict[str, Any]] | None = None,
     precision: str = "bf16",
 ) -> dict[str, list[RunRequest]]:
-    """One validated request per row (a strategy, optionally `@precision`) and prompt: default params,
-    max_new_tokens and any overrides (keyed by strategy name, applied at every precision)."""
-    names = [name.strip() for name in strategies if name.strip()]
-    if not names:
+    """One validated request per row (`[LABEL=]NAME[@PRECISION]`, keyed by its label) and prompt: default
+    params, max_new_tokens and any overrides, those keyed by the strategy name for every row of it, then those keyed
+    by a row's label for that row only."""
+    specs = [spec.strip() for spec in strategies if spec.strip()]
+    if not specs:
         raise InputError("No strategies given; pass e.g. --strategies greedy,sample.")
-    if len(set(names)) != len(names) or {HF_ROW, HF_ASSIST_ROW, LLAMA_CPP_ROW} & set(names):
-        raise InputError(f"Strategies must be distinct and not {HF_ROW!r}: got {', '.join(names)}.")
-    unknown = sorted(set(overrides or {}) - {split_row(name, precision)[0] for name in names})
+    rows = [parse_row(spec, precision) for spec in specs]
+    labels = [label for label, _, _ in rows]
+    if len(set(labels)) != len(labels) or {HF_ROW, HF_ASSIST_ROW, LLAMA_CPP_ROW} & set(labels):
+        raise InputError(f"Strategies must be distinct and not {HF_ROW!r}: got {', '.join(labels)}.")
+    unknown = sorted(set(overrides or {}) - {name for _, name, _ in rows} - set(labels))
     if unknown:
         raise InputError(f"--params names {', '.join(unknown)}, which is not among the benched strategies.")
     options = {"chat": True, "seed": seed, "model": model, "device": device, "dtype": dtype}
     requests = {}
-    for name in names:
-        strategy, row_precision = split_row(name, precision)
-        params = {**(overrides or {}).get(strategy, {}), "max_new_tokens": max_new_tokens}
+    for label, strategy, row_precision in rows:
+        own = (overrides or {}).get(label, {}) if label != strategy else {}
+        params = {**(overrides or {}).get(strategy, {}), **own, "max_new_tokens": max_new_tokens}
         row = {**options, "precision": row_precision}
-        requests[name] = [validate_request(strategy, text, params, **row) for text in prompts]
+        requests[label] = [validate_request(strategy, text, params, **row) for text in prompts]
     return requests
 
 
@@ -305,7 +318,7 @@ def _reference_rows(
     if hf:
         rows[HF_ROW] = lambda ids, n: time_hf_generate(loaded, ids, n)
     if hf_assist:
-        name = next((n for n in requests if split_row(n, "")[0] in ("speculative", "ssd")), None)
+        name = next((n for n, runs in requests.items() if runs[0].strategy.name in ("speculative", "ssd")), None)
         speculative = requests[name][0].params if name else None
         keys = ("gamma", "max_ngram", "draft_layers")
         settings = {k: getattr(speculative, k) for k in keys if hasattr(speculative, k)}

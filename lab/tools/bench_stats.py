@@ -7,6 +7,8 @@ and `ratio_interval`, a percentile bootstrap of the ratio of medians paired by p
 with replacement, and each resample keeps every repeat of a chosen prompt for both rows, so the prompt-to-prompt
 spread (not only the run-to-run noise) sets the width. The resampling is seeded, so the same samples give the
 same interval.
+`mean_difference_interval`: the mean of paired per-prompt differences (e.g. tau of two heads on the same prompts)
+with its percentile bootstrap 95% interval over prompts.
 Not covered: intervals of the other Stats fields, tests between more than two rows at once.
 """
 
@@ -84,6 +86,23 @@ def ratio_interval(
     tail = 100 * (1 - CONFIDENCE) / 2
     low, high = np.percentile(ratios, [tail, 100 - tail])
     return [round(float(low), 3), round(float(high), 3)]
+
+
+def mean_difference_interval(
+    first: Sequence[float], other: Sequence[float], resamples: int = RESAMPLES, seed: int = 0
+) -> tuple[float, list[float] | None]:
+    """mean(other - first) over paired values (one per prompt) and its percentile bootstrap 95% interval
+    (resampling prompts; None with fewer than two)."""
+    if len(first) != len(other) or len(first) == 0:
+        raise ValueError(f"paired values need equal, non-zero lengths, got {len(first)} and {len(other)}")
+    differences = np.asarray(other, dtype=float) - np.asarray(first, dtype=float)
+    mean = round(float(differences.mean()), 4)
+    if differences.size < 2:
+        return mean, None
+    picks = np.random.default_rng(seed).integers(0, differences.size, size=(resamples, differences.size))
+    tail = 100 * (1 - CONFIDENCE) / 2
+    low, high = np.percentile(differences[picks].mean(axis=1), [tail, 100 - tail])
+    return mean, [round(float(low), 4), round(float(high), 4)]
 
 
 def split_fields(

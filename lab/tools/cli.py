@@ -75,7 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(run)
     _add_precision_option(run)
     bench = commands.add_parser("bench", help="benchmark strategies against Hugging Face generate")
-    bench.add_argument("--strategies", required=True, help="comma-separated names; speedups are vs the first")
+    bench.add_argument(
+        "--strategies",
+        required=True,
+        help="comma-separated rows, each [LABEL=]NAME[@PRECISION] (a label takes --params LABEL.key=value); "
+        "speedups are vs the first",
+    )
     bench.add_argument("--prompts", default="builtin", help="builtin, a text file (one per line) or a JSON list")
     bench.add_argument("--repeat", default="1", help="runs per prompt and strategy (default 1)")
     bench.add_argument("--limit", default=None, help="use only the first K prompts")
