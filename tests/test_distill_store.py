@@ -125,6 +125,20 @@ def test_a_stale_feature_cache_is_named_and_recomputed(tiny, tmp_path: Path) -> 
         folder_features(other, tmp_path / "ids", 5, (), _quiet, cache, recompute=False)
 
 
+def test_a_cache_with_more_layers_serves_fewer(tiny, tmp_path: Path) -> None:
+    """A shard cached with EAGLE-3's layers serves Medusa / MTPC (final hidden state only) without a recompute;
+    a request for a layer the cache lacks is a mismatch naming `layers`."""
+    run_store(tiny, _settings(limit=2), tmp_path / "ids", _quiet)
+    cache = tmp_path / "cache"
+    wide = folder_features(tiny, tmp_path / "ids", 5, (1,), _quiet, cache)
+    log: list[str] = []
+    narrow = folder_features(tiny, tmp_path / "ids", 5, (), log.append, cache, recompute=False)
+    assert "hidden.1" in wide[0] and "hidden.1" not in narrow[0] and not any("recomputing" in x for x in log)
+    assert torch.equal(wide[0]["hidden"], narrow[0]["hidden"])
+    with pytest.raises(InputError, match="layers"):
+        folder_features(tiny, tmp_path / "ids", 5, (0, 1), _quiet, cache, recompute=False)
+
+
 class Stop(Exception):
     pass
 

@@ -122,14 +122,24 @@ def cache_key(loaded: LoadedModel, shard: dict[str, torch.Tensor], top_k: int, l
     }
 
 
+def _covers(name: str, found: str | None, wanted: str) -> bool:
+    """Whether a cached field serves the wanted one: equal, or for `layers` a superset (a shard cached with
+    EAGLE-3's layers serves Medusa and MTPC, which read only the final hidden state)."""
+    if name == "layers" and found is not None:
+        return set(json.loads(found)) >= set(json.loads(wanted))
+    return found == wanted
+
+
 def _mismatch(path: Path, expected: dict[str, str]) -> list[str]:
-    """The metadata fields of a cached shard that differ from `expected` (["missing"] when there is no file)."""
+    """The metadata fields of a cached shard that do not serve `expected` (["missing"] when there is no file)."""
     if not path.is_file():
         return ["missing"]
     with safe_open(str(path), framework="pt") as cached:
         found = cached.metadata() or {}
     return [
-        f"{name} ({found.get(name)!r}, not {value!r})" for name, value in expected.items() if found.get(name) != value
+        f"{name} ({found.get(name)!r}, not {value!r})"
+        for name, value in expected.items()
+        if not _covers(name, found.get(name), value)
     ]
 
 
@@ -147,8 +157,9 @@ def cached_features(
     expected = cache_key(loaded, shard, top_k, layers)
     differ = _mismatch(cache_path, expected)
     if not differ:
+        wanted = {"hidden", "topk_ids", "topk_probs", *(f"hidden.{layer}" for layer in layers)}
         with safe_open(str(cache_path), framework="pt") as cached:
-            return {**shard, **{key: cached.get_tensor(key) for key in cached.keys()}}  # noqa: SIM118
+            return {**shard, **{key: cached.get_tensor(key) for key in cached.keys() if key in wanted}}  # noqa: SIM118
     if not recompute:
         raise InputError(f"The feature cache {cache_path} does not match {ids_path}: {'; '.join(differ)}.")
     if differ != ["missing"]:
