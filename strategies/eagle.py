@@ -24,8 +24,11 @@ Defaults (total_tokens 16, depth 3, branch 8) come from measuring the round's pa
 table).
 Deliberate differences: EOS nodes are not expanded; no repetition penalty (it would depend on each node's path);
 the head only scores its draft vocabulary V_d (`lab.heads.eagle`).
+The shipped head (`head`, used when `heads_path` is empty) is EAGLE-3 (Li et al. 2025: the draft reads a fusion of
+a low, a middle and a high target layer and is trained with training-time test; `lab.heads.eagle3`, shipped as the
+SafeAILab-layout folder `heads/<model>/eagle3/`) or EAGLE-1 (the final layer's feature, `heads/<model>/eagle.*`).
 `heads_path` also takes published heads (SafeAILab EAGLE-1/2 and EAGLE-3, speculators EAGLE-3: lab.heads.published);
-an EAGLE-3 head (`lab.heads.eagle3`) reads the fused target layers it names through `feature_layers`.
+an EAGLE-3 head reads the fused target layers it names through `feature_layers`.
 Not covered: batching, stochastic (sampled) draft trees.
 """
 
@@ -39,10 +42,11 @@ import torch
 from lab.engine.models import LoadedModel
 from lab.engine.sampling import SamplingConfig
 from lab.heads import published_build
+from lab.heads.common import HEADS_DIR, model_slug
 from lab.heads.eagle import KIND, EagleHead, build_head, serving_head
 from lab.heads.eagle3 import Eagle3Head
 from lab.heads.published import is_lab_stem
-from lab.params import DecodeParams, param
+from lab.params import DecodeParams, InputError, param
 from lab.registry import Strategy
 from lab.speculative.proposers import cached_heads
 from lab.speculative.proposers.eagle import EagleProposer, TreeShape
@@ -50,6 +54,7 @@ from lab.speculative.tree import TreeSettings, tree_loop
 from lab.trace import Event
 
 MODES = ("greedy", "sample")
+SHIPPED_HEADS = ("eagle3", "eagle1")
 
 
 @dataclass(frozen=True)
@@ -62,8 +67,11 @@ class EagleParams(DecodeParams):
         1.0, low=0.05, high=2.0, help="sample: p = softmax(z / T) of the target.", only_when=("mode", "sample")
     )
     top_p: float = param(1.0, low=0.05, high=1.0, help="sample: nucleus on p (1 = off).", only_when=("mode", "sample"))
+    head: str = param(
+        "eagle3", choices=SHIPPED_HEADS, help="Shipped head if heads_path is empty: EAGLE-3 (fused layers) or EAGLE-1."
+    )
     heads_path: str = param(
-        "", help="Lab head file/stem, or a published EAGLE / EAGLE-3 folder or Hub id (empty = shipped head)."
+        "", help="Lab head file/stem, or a published EAGLE / EAGLE-3 folder or Hub id (empty = the shipped `head`)."
     )
 
     @property
@@ -73,9 +81,22 @@ class EagleParams(DecodeParams):
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p)
 
 
-def cached_head(loaded: LoadedModel, path: str) -> EagleHead | Eagle3Head:
-    """The trained head for this model (shipped, a lab file, or a published EAGLE / EAGLE-3 folder or Hub id:
-    `lab.heads.published`), loaded once per model, dtype and path."""
+def shipped_eagle3(loaded: LoadedModel) -> str:
+    """The folder of the EAGLE-3 head shipped for this model; InputError naming the way out when there is none."""
+    folder = HEADS_DIR / model_slug(loaded.spec) / "eagle3"
+    if not (folder / "config.json").is_file():
+        raise InputError(
+            f"No EAGLE-3 head is shipped for {loaded.spec} (looked in {folder}); choose head = eagle1, give "
+            f"heads_path, or train one with `python -m lab train-heads --kind eagle3 --model {loaded.spec}`."
+        )
+    return str(folder)
+
+
+def cached_head(loaded: LoadedModel, path: str, head: str) -> EagleHead | Eagle3Head:
+    """The trained head for this model (`path`: a lab file, or a published EAGLE / EAGLE-3 folder or Hub id:
+    `lab.heads.published`; empty: the shipped `head`), loaded once per model, dtype and path."""
+    if not path and head == "eagle3":
+        path = shipped_eagle3(loaded)
     if path and not is_lab_stem(path):
         return published_build.cached("eagle", loaded, path)
 
@@ -87,7 +108,7 @@ def cached_head(loaded: LoadedModel, path: str) -> EagleHead | Eagle3Head:
 
 def proposer_for(loaded: LoadedModel, params: EagleParams) -> EagleProposer:
     shape = TreeShape(params.total_tokens, params.depth, params.branch)
-    return EagleProposer(cached_head(loaded, params.heads_path), shape)
+    return EagleProposer(cached_head(loaded, params.heads_path, params.head), shape)
 
 
 def run(loaded: LoadedModel, prompt_ids: list[int], params: EagleParams, generator: torch.Generator) -> Iterator[Event]:

@@ -18,8 +18,9 @@ from lab.app.builtin_prompts import BUILTIN_PROMPTS
 from lab.engine.models import wrap_model
 from lab.engine.quant import Int4Linear, quantize_model
 from lab.heads.common import load_heads, save_heads
-from lab.heads.eagle import EagleCache, build_head, serving_head
-from lab.params import build_params
+from lab.heads.eagle import EagleCache, EagleHead, build_head, serving_head
+from lab.heads.eagle3 import Eagle3Head
+from lab.params import InputError, build_params
 from lab.speculative.proposers.eagle import EagleProposer, TreeShape, grow_tree, rerank
 from lab.speculative.tree import TreeSettings, tree_loop
 from lab.trace import EagleDraft, RunFinished, TokenEmitted, Trace, TreeRound, from_json, summarize, to_json
@@ -28,7 +29,7 @@ from lab.training.cli import TrainOptions
 from lab.training.distill.dataset import load_distill
 from lab.training.distill.generate import DistillSettings, run_distill
 from strategies import collect, get_strategy
-from strategies.eagle import EagleParams
+from strategies.eagle import SHIPPED_HEADS, EagleParams, proposer_for
 from tests.stats import assert_joint_matches
 from tests.test_medusa import assert_round_order
 from tests.tiny import ByteTokenizer, tiny_llama, tiny_loaded_model
@@ -297,15 +298,23 @@ EMBEDDED_TOKENS = 64
 
 
 @pytest.mark.embedded
-def test_embedded_greedy_eagle_equals_greedy(embedded) -> None:
-    params = build_params(EAGLE.Params, {"max_new_tokens": EMBEDDED_TOKENS})
+@pytest.mark.parametrize("head", SHIPPED_HEADS)
+def test_embedded_greedy_eagle_equals_greedy(embedded, head) -> None:
+    params = build_params(EAGLE.Params, {"max_new_tokens": EMBEDDED_TOKENS, "head": head})
+    assert type(proposer_for(embedded, params).head) is {"eagle3": Eagle3Head, "eagle1": EagleHead}[head]
     taus = []
     for text in EMBEDDED_PROMPTS:
         ids = embedded.encode(text)
         events = collect(EAGLE.run(embedded, ids, params, gen()))
         assert tokens_of(events) == greedy_tokens(embedded, ids, EMBEDDED_TOKENS), text
         taus.append(summarize(events).mean_accepted_length)
-    assert sum(taus) / len(taus) > 1.6  # the shipped head really drafts (tau about 2.0-2.3 with the defaults)
+    assert sum(taus) / len(taus) > 1.6  # the shipped heads really draft (tau about 2.0-2.3 with the defaults)
+
+
+def test_a_model_without_a_shipped_eagle3_head_is_told_what_to_do(tiny) -> None:
+    assert build_params(EAGLE.Params, {}).head == "eagle3"  # the default
+    with pytest.raises(InputError, match="head = eagle1"):
+        proposer_for(tiny, build_params(EAGLE.Params, {}))
 
 
 def test_tuning_replays_smaller_trees_from_one_big_run(tiny_trained) -> None:
