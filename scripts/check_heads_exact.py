@@ -4,10 +4,10 @@ Usage: .venv/bin/python scripts/check_heads_exact.py [--dtype float32|bfloat16] 
     [--start 0] [--limit 24] [--methods sd-lookup,sd-self,sd-model,ssd,medusa,mtpc,eagle,eagle1]
     [--variant LABEL=METHOD:key=value[,key=value]] ... [--compare A,B] ... [--json FILE]
 Methods: sd-lookup / sd-self / sd-model (vanilla SD with prompt lookup, the first 8 layers, the target as its own
-drafter), ssd (self-draft, gamma 3), and medusa, mtpc, eagle (EAGLE-3), eagle1 with the shipped heads; `--variant` adds a method with
-other parameters (e.g. `mtpc-r4=mtpc:heads_path=data/heads/mtpc-r4`), checked the same way. Prints one line per
-prompt (tokens, tau of each method) and a summary; `--compare A,B` adds the paired mean difference of tau (B - A)
-over the prompts with its bootstrap 95% interval (`lab.tools.bench_stats.mean_difference_interval`); `--json`
+drafter), ssd (self-draft, gamma 3), and medusa, mtpc, eagle (EAGLE-3), eagle1 with the shipped heads; `--variant`
+adds a method with other parameters (e.g. `mtpc-r4=mtpc:heads_path=data/heads/mtpc-r4`), checked the same way. Prints
+one line per prompt (tokens, tau of each method) and a summary; `--compare A,B` adds the paired mean difference of tau
+(B - A) over the prompts with its bootstrap 95% interval (`lab.tools.bench_stats.mean_difference_interval`); `--json`
 writes the per-prompt taus. Exits 1 on any mismatch.
 """
 
