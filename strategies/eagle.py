@@ -42,7 +42,7 @@ import torch
 from lab.engine.models import LoadedModel
 from lab.engine.sampling import SamplingConfig
 from lab.heads import published_build
-from lab.heads.common import HEADS_DIR, model_slug
+from lab.heads.common import find_heads
 from lab.heads.eagle import KIND, EagleHead, build_head, serving_head
 from lab.heads.eagle3 import Eagle3Head
 from lab.heads.published import is_lab_stem
@@ -83,7 +83,7 @@ class EagleParams(DecodeParams):
 
 def shipped_eagle3(loaded: LoadedModel) -> str:
     """The folder of the EAGLE-3 head shipped for this model; InputError naming the way out when there is none."""
-    folder = HEADS_DIR / model_slug(loaded.spec) / "eagle3"
+    folder = find_heads("eagle3", loaded)
     if not (folder / "config.json").is_file():
         raise InputError(
             f"No EAGLE-3 head is shipped for {loaded.spec} (looked in {folder}); choose head = eagle1, give "

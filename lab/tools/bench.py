@@ -199,8 +199,8 @@ def build_requests(
     options = {"chat": True, "seed": seed, "model": model, "device": device, "dtype": dtype}
     requests = {}
     for label, strategy, row_precision in rows:
-        own = (overrides or {}).get(label, {}) if label != strategy else {}
-        params = {**(overrides or {}).get(strategy, {}), **own, "max_new_tokens": max_new_tokens}
+        keyed = overrides or {}
+        params = {**keyed.get(strategy, {}), **keyed.get(label, {}), "max_new_tokens": max_new_tokens}
         row = {**options, "precision": row_precision}
         requests[label] = [validate_request(strategy, text, params, **row) for text in prompts]
     return requests

@@ -29,6 +29,11 @@ BASE_KEYS = ("hidden", "topk_ids", "topk_probs")
 Recompute = Callable[[Path], list[dict[str, torch.Tensor]]]  # an ids folder -> its shards with features
 
 
+def feature_keys(layers: Sequence[int]) -> tuple[str, ...]:
+    """The row tensors a trainer reads: the base keys and `hidden.<l>` for each extra layer."""
+    return (*BASE_KEYS, *(f"hidden.{layer}" for layer in layers))
+
+
 @dataclass(frozen=True)
 class DistillData:
     config: dict
@@ -89,7 +94,7 @@ def _rows_of_shard(shard: dict[str, torch.Tensor], first_sequence: int) -> dict[
 
 def _read_shard(path: Path, layers: Sequence[int]) -> dict[str, torch.Tensor]:
     """The keys head training uses (and `hidden.<l>` for the requested layers) of one shard file."""
-    wanted = ("tokens", "seq_offsets", "prompt_lengths", *BASE_KEYS, *(f"hidden.{layer}" for layer in layers))
+    wanted = ("tokens", "seq_offsets", "prompt_lengths", *feature_keys(layers))
     with safe_open(str(path), framework="pt") as shard:
         available = set(shard.keys())
         missing = [key for key in wanted if key not in available]

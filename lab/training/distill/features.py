@@ -37,6 +37,7 @@ from lab.engine.lean_forward import lean_forward
 from lab.engine.models import LoadedModel
 from lab.heads.common import model_slug
 from lab.params import InputError
+from lab.training.distill.dataset import feature_keys
 from lab.training.distill.store import ids_sha256, made_shards, read_ids, shard_name
 
 DEFAULT_CACHE = Path(os.environ.get("DECODING_LAB_FEATURES", "~/.cache/decoding-lab/features")).expanduser()
@@ -157,7 +158,7 @@ def cached_features(
     expected = cache_key(loaded, shard, top_k, layers)
     differ = _mismatch(cache_path, expected)
     if not differ:
-        wanted = {"hidden", "topk_ids", "topk_probs", *(f"hidden.{layer}" for layer in layers)}
+        wanted = set(feature_keys(layers))
         with safe_open(str(cache_path), framework="pt") as cached:
             return {**shard, **{key: cached.get_tensor(key) for key in cached.keys() if key in wanted}}  # noqa: SIM118
     if not recompute:
