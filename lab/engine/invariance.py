@@ -28,7 +28,10 @@ What makes a multi-token forward round differently from a one-token step, and wh
   conditional numerical reproducibility (`mkl_cbwr_set(AUTO | STRICT)`, what `MKL_CBWR=AUTO,STRICT` sets), turned
   on by `_set_strict_blas` when this module is imported, which must be before MKL's first product in the process.
   With it no element of those products differs for any row count (1 to 33), 2D or 3D, at 1 to 16 threads
-  (oversubscribed on 2 cores); float64 products run under the same mode. Float32 models get the float64 attention
+  (oversubscribed on 2 cores); float64 products run under the same mode. On an AMD EPYC (2026-12-06, MKL's auto
+  branch MKL_CBWR_AUTO) strict mode still rounds products of 1 to 3 rows differently from longer ones (e.g. 528 of
+  576 outputs of one row by 576 -> 576), while 4 or more rows agree at any count and thread count: float32 linears
+  run with at least 4 rows (`_least_rows`). Float32 models get the float64 attention
   and the two-row linears as bf16 ones do (with strict MKL one row already takes the order of many; the 2D product
   is what its guarantee names). Where strict mode cannot be set (no MKL: aarch64 / macOS builds; or a product ran
   before lab was imported) float32 models are left plain and a warning says why (`BLAS_NOT_STRICT`).
@@ -62,6 +65,7 @@ ATTENTION = "lab_rows"
 SWITCH = "DECODING_LAB_ROW_INVARIANT"  # "0" turns row-invariant forwards off (faster tree verification, not exact)
 REDUCED = (torch.bfloat16, torch.float16)
 COVERED = (*REDUCED, torch.float32)  # CPU dtypes whose models get row-invariant forwards (fp32: with strict BLAS)
+FLOAT32_LEAST_ROWS = 4  # float32 products run with at least this many rows (`_least_rows`)
 MKL_CBWR_ALL, MKL_CBWR_STRICT = ~0, 0x10000  # mkl_service.h: every setting; strict CNR (thread-count independent)
 log = logging.getLogger(__name__)
 _ROWWISE = contextvars.ContextVar("lab_rows_invariant", default=False)
@@ -170,13 +174,25 @@ def rows_invariant(loaded) -> Iterator[None]:
 
 
 def _two_row_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """A 2D product for any input (3D inputs take another kernel path), a single row run as two identical rows."""
+    """A 2D product for any input (3D inputs take another kernel path), with at least `_least_rows` rows: a short
+    input is padded with copies of its first row and the padding's outputs dropped."""
     flat = x.reshape(-1, x.shape[-1])  # [rows, in]
-    if flat.shape[0] == 1:
-        out = nn.functional.linear(torch.cat([flat, flat]), self.weight, self.bias)[:1]
+    rows = flat.shape[0]
+    least = _least_rows(flat.dtype)
+    if 0 < rows < least:
+        padded = torch.cat([flat, flat[:1].expand(least - rows, -1)])
+        out = nn.functional.linear(padded, self.weight, self.bias)[:rows]
     else:
         out = nn.functional.linear(flat, self.weight, self.bias)
     return out.reshape(*x.shape[:-1], self.weight.shape[0])
+
+
+def _least_rows(dtype: torch.dtype) -> int:
+    """The fewest rows a row-invariant product runs with: 2 in bf16 / fp16 (one row would take the matrix-vector
+    kernel; the C++ op's float linears do the same), 4 in float32 (under strict CNR, MKL's SGEMM on an AMD EPYC,
+    whose auto branch is MKL_CBWR_AUTO, rounds products of 1 to 3 rows differently from products of 4 or more, which
+    agree with each other; on Intel CPUs every row count already agrees, so the padding changes no bits there)."""
+    return FLOAT32_LEAST_ROWS if dtype == torch.float32 else 2
 
 
 def make_rows_invariant(model: nn.Module) -> list[str]:
