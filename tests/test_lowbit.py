@@ -132,12 +132,14 @@ def test_every_w4a8_variant_returns_the_python_definitions_bits(n: int, k: int) 
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             x = (torch.randn(rows, k, generator=generator) * 3).to(dtype)
             x[0, :GROUP] = 0
+            if k >= 2 * GROUP:  # d = 1: every other input lies halfway between two integers (rounds to even)
+                x[-1, GROUP : 2 * GROUP] = torch.tensor([127.0] + [v + 0.5 for v in range(-16, 15)]).to(dtype)
             expected = w4a8_reference(x, q, d, m)
-            codes, scale, total = torch.ops.decoding_lab.w4a8_quantize(x)
             py_codes, py_scale, py_total = quantize_activations(x)
-            assert torch.equal(codes.float(), py_codes.reshape(rows, k)) and torch.equal(scale, py_scale)
-            assert torch.equal(total, py_total)
             for variant in variants:
+                codes, scale, total = torch.ops.decoding_lab.w4a8_quantize(x, variant)
+                assert torch.equal(codes.float(), py_codes.reshape(rows, k)) and torch.equal(scale, py_scale)
+                assert torch.equal(total, py_total), (rows, dtype, variant)
                 got = torch.ops.decoding_lab.w4a8_mm(x, module.packed, module.scales, variant)
                 assert got.dtype == dtype and torch.equal(got, expected), (rows, dtype, variant)
 

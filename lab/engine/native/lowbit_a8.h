@@ -28,37 +28,115 @@ struct Q8Rows {  // step 1's quantized activations
 
 inline float half_value(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 
-inline void quantize_rows(const float* x, int64_t m, int64_t k, Q8Rows& out) {
-  const int64_t blocks = k / kBlock;
+// step 1 for one block of 32 floats (the definition the vector variants below are tested against)
+inline void quantize_block(const float* v, int8_t* q, float& d_out, float& s_out, int32_t& sum_out) {
+  float amax = 0.0f;
+  for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+  const float d = amax / 127.0f;
+  const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+  int32_t sum = 0;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    const float scaled = v[j] * inverse;
+    const int32_t value = static_cast<int32_t>(std::nearbyint(scaled));  // the default rounding: half to even
+    q[j] = static_cast<int8_t>(value);
+    sum += value;
+  }
+  d_out = d;
+  s_out = d * static_cast<float>(sum);
+  sum_out = sum;
+}
+
+inline void size_rows(int64_t m, int64_t k, Q8Rows& out) {
   out.m = m;
   out.q.resize(m * k);
-  out.d.resize(m * blocks);
-  out.s.resize(m * blocks);
-  out.sum.resize(m * blocks);
-  for (int64_t b = 0; b < m * blocks; ++b) {
-    const float* v = x + b * kBlock;
-    float amax = 0.0f;
-    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+  out.d.resize(m * k / kBlock);
+  out.s.resize(m * k / kBlock);
+  out.sum.resize(m * k / kBlock);
+}
+
+inline void quantize_rows_reference(const float* x, int64_t blocks, Q8Rows& out) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    quantize_block(x + b * kBlock, out.q.data() + b * kBlock, out.d[b], out.s[b], out.sum[b]);
+  }
+}
+
+// The same numbers with vector instructions: max |x| is exact in any order, x * (1 / d) is the same one float
+// product per input, and the conversion to int32 rounds half to even (the default MXCSR mode, as nearbyint).
+__attribute__((target("avx512f"))) inline void quantize_rows_avx512(const float* x, int64_t blocks, Q8Rows& out) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m512 lo = _mm512_loadu_ps(x + b * kBlock), hi = _mm512_loadu_ps(x + b * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
     const float d = amax / 127.0f;
-    const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
-    int32_t sum = 0;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      const float scaled = v[j] * inverse;
-      const int32_t q = static_cast<int32_t>(std::nearbyint(scaled));  // the default rounding: half to even
-      out.q[b * kBlock + j] = static_cast<int8_t>(q);
-      sum += q;
-    }
+    const __m512 inverse = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    const __m512i q_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse));
+    const __m512i q_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + b * kBlock), _mm512_cvtepi32_epi8(q_lo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + b * kBlock + 16), _mm512_cvtepi32_epi8(q_hi));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
     out.d[b] = d;
     out.s[b] = d * static_cast<float>(sum);
     out.sum[b] = sum;
   }
 }
 
-// x [M, K] (bf16, fp16 or float32) quantized by step 1 into the calling thread's buffer
-inline const Q8Rows& quantized(const at::Tensor& x) {
+__attribute__((target("avx2"))) inline void quantize_rows_avx2(const float* x, int64_t blocks, Q8Rows& out) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* v = x + b * kBlock;
+    __m256 parts[4];
+    __m256 top = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      parts[i] = _mm256_loadu_ps(v + 8 * i);
+      top = _mm256_max_ps(top, _mm256_andnot_ps(sign, parts[i]));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top);
+    float amax = 0.0f;
+    for (const float lane : lanes) amax = std::max(amax, lane);
+    const float d = amax / 127.0f;
+    const __m256 inverse = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    alignas(32) int32_t values[kBlock];
+    __m256i total = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(parts[i], inverse));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(values + 8 * i), q);
+      total = _mm256_add_epi32(total, q);
+    }
+    alignas(32) int32_t sums[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sums), total);
+    int32_t sum = 0;
+    for (const int32_t s : sums) sum += s;
+    for (int64_t j = 0; j < kBlock; ++j) out.q[b * kBlock + j] = static_cast<int8_t>(values[j]);
+    out.d[b] = d;
+    out.s[b] = d * static_cast<float>(sum);
+    out.sum[b] = sum;
+  }
+}
+
+// x [M, K] (bf16, fp16 or float32) quantized by step 1 into the calling thread's buffer, with the widest
+// instruction set `variant` allows (every one gives the same bits; kReference: the plain definition)
+inline const Q8Rows& quantized(const at::Tensor& x, int64_t variant = kBest) {
   thread_local Q8Rows rows;
-  const at::Tensor wide = x.to(at::kFloat).contiguous();
-  quantize_rows(wide.data_ptr<float>(), x.size(0), x.size(1), rows);
+  thread_local std::vector<float> buffer;
+  at::Tensor wide;
+  const float* values;
+  if (x.scalar_type() == at::kBFloat16) {
+    values = widened(x, buffer);  // exact, without a tensor allocation per product
+  } else {
+    wide = x.to(at::kFloat).contiguous();
+    values = wide.data_ptr<float>();
+  }
+  const int64_t m = x.size(0), k = x.size(1), blocks = m * k / kBlock;
+  size_rows(m, k, rows);
+  const bool vector512 = variant == kBest || variant == kAvx512 || variant == kAvx512Vnni;
+  const bool vector256 = vector512 || variant == kAvx2 || variant == kAvxVnni;
+  if (vector512 && lowbit::supports(kAvx512)) {
+    quantize_rows_avx512(values, blocks, rows);
+  } else if (vector256 && lowbit::supports(kAvx2)) {
+    quantize_rows_avx2(values, blocks, rows);
+  } else {
+    quantize_rows_reference(values, blocks, rows);
+  }
   return rows;
 }
 

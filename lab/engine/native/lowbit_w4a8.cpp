@@ -233,7 +233,7 @@ at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   const int64_t m = x.size(0), n = packed.size(0) * kCols;
   at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
   if (m == 0 || n == 0) return out.to(x.scalar_type());
-  const Q8Rows& rows = a8::quantized(x);
+  const Q8Rows& rows = a8::quantized(x, variant);
   const W4Weights w{packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()), n, x.size(1)};
   if (variant == kReference) {
     w4a8_reference(rows, w, out.data_ptr<float>());
@@ -243,11 +243,12 @@ at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-// step 1 alone: (q [M, K] int8, d [M, K / 32], s [M, K / 32]) of x, for tests of the Python definition
-std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_quantize(const at::Tensor& x) {
+// step 1 alone: (q [M, K] int8, d [M, K / 32], s [M, K / 32]) of x as `variant` computes it, for tests of the
+// Python definition
+std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_quantize(const at::Tensor& x, int64_t variant) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "w4a8_quantize: x [M, K], K a multiple of 32");
   const int64_t m = x.size(0), k = x.size(1);
-  const Q8Rows& rows = a8::quantized(x);
+  const Q8Rows& rows = a8::quantized(x, a8::resolve(variant, "w4a8_quantize"));
   at::Tensor q = at::empty({m, k}, at::kChar), d = at::empty({m, k / kBlock}, at::kFloat);
   at::Tensor s = at::empty({m, k / kBlock}, at::kFloat);
   std::copy(rows.q.begin(), rows.q.end(), q.data_ptr<int8_t>());
@@ -260,6 +261,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_quantize(const at::Tensor& x
 
 TORCH_LIBRARY_FRAGMENT(decoding_lab, m) {
   m.def("w4a8_mm(Tensor x, Tensor packed, Tensor scales, int variant=-1) -> Tensor", &lowbit::w4a8_mm);
-  m.def("w4a8_quantize(Tensor x) -> (Tensor, Tensor, Tensor)", &lowbit::w4a8_quantize);
+  m.def("w4a8_quantize(Tensor x, int variant=-1) -> (Tensor, Tensor, Tensor)", &lowbit::w4a8_quantize);
   m.def("w4a8_variants() -> int[]", &lowbit::w4a8_variants);
 }

@@ -200,7 +200,7 @@ at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   const int64_t m = x.size(0), n = packed.size(0) * kCols;
   at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
   if (m == 0 || n == 0) return out.to(x.scalar_type());
-  const Q8Rows& rows = a8::quantized(x);
+  const Q8Rows& rows = a8::quantized(x, variant);
   const W8Weights w{packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()), n, x.size(1)};
   float* data = out.data_ptr<float>();
   if (variant == kReference) {
