@@ -222,12 +222,17 @@ class _Plan:
 
 
 def _sources(model) -> tuple:
-    """The objects whose identity the plan depends on (a replaced module or norm weight means a new plan)."""
+    """The objects whose identity the plan depends on (a replaced module or norm weight means a new plan).
+
+    Read from the modules' own `_modules` / `_parameters` dicts, which hold what attribute access returns for
+    submodules and parameters: `nn.Module.__getattr__` costs about a microsecond a name, and this runs every forward."""
     out = []
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        out += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.o_proj, mlp.down_proj]
-        out += [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj, mlp.act_fn]
+        parts = layer._modules
+        attn, mlp = parts["self_attn"]._modules, parts["mlp"]._modules
+        out += [parts["input_layernorm"]._parameters["weight"], parts["post_attention_layernorm"]._parameters["weight"]]
+        out += [attn["o_proj"], mlp["down_proj"], attn["q_proj"], attn["k_proj"], attn["v_proj"]]
+        out += [mlp["gate_proj"], mlp["up_proj"], mlp["act_fn"]]
     out.append(model.model.norm.weight)
     return tuple(out)
 
