@@ -132,7 +132,7 @@ def test_every_w4a8_variant_returns_the_python_definitions_bits(n: int, k: int) 
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             x = (torch.randn(rows, k, generator=generator) * 3).to(dtype)
             x[0, :GROUP] = 0
-            if k >= 2 * GROUP:  # d = 1: every other input lies halfway between two integers (rounds to even)
+            if k >= 2 * GROUP:  # d = 1: all but the first input lie halfway between two integers
                 x[-1, GROUP : 2 * GROUP] = torch.tensor([127.0] + [v + 0.5 for v in range(-16, 15)]).to(dtype)
             expected = w4a8_reference(x, q, d, m)
             py_codes, py_scale, py_total = quantize_activations(x)
