@@ -24,6 +24,7 @@ NO_NATIVE_BF16 = CpuFeatures("AVX512", frozenset({"avx2", "avx512f", "avx512_vnn
 NATIVE_BF16 = CpuFeatures("AVX512", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"}))
 LAPTOP_AVX2 = CpuFeatures("AVX2", frozenset({"avx2", "avx_vnni"}))
 NO_AVX2 = CpuFeatures("DEFAULT", frozenset())
+OP_BUILT = {"integer_products": True}  # the same CPU with the op's w4a8 products loaded
 
 
 def bf16_slow(candidates):
@@ -36,13 +37,44 @@ def never(candidates):
 
 
 @pytest.mark.parametrize("cpu", [NO_NATIVE_BF16, NATIVE_BF16, LAPTOP_AVX2], ids=["no-bf16", "bf16", "avx2"])
-def test_slow_bf16_products_still_get_int4_at_full_speed(cpu: CpuFeatures) -> None:
-    auto = choose(CPU, "auto", "auto", cpu, never)
-    assert (auto.dtype, auto.precision) == (BF16, "int4") and "vectorized" in auto.reason
-    for low_bit in ("int4", "int8"):  # --precision int4 without --dtype: never fp32 activations
-        asked = choose(CPU, "auto", low_bit, cpu, never)
-        assert (asked.dtype, asked.precision) == (BF16, low_bit)
-    assert choose(CPU, "bfloat16", "auto", cpu, never).precision == "int4"
+def test_slow_bf16_products_still_get_low_bits_at_full_speed(cpu: CpuFeatures) -> None:
+    """With the op built: w4a8 (integer products); without it: int4 (PyTorch's vectorized kernel). Both with
+    bfloat16 activations, whatever the CPU's bf16 products cost."""
+    built = dataclasses.replace(cpu, **OP_BUILT)
+    for features, expected in ((built, "w4a8"), (cpu, "int4")):
+        auto = choose(CPU, "auto", "auto", features, never)
+        assert (auto.dtype, auto.precision) == (BF16, expected) and cpu.capability in auto.reason
+        assert choose(CPU, "bfloat16", "auto", features, never).precision == expected
+        for low_bit in ("int4", "int8", "w4a8"):  # --precision int4 without --dtype: never fp32 activations
+            asked = choose(CPU, "auto", low_bit, features, never)
+            assert (asked.dtype, asked.precision) == (BF16, low_bit)
+    assert "vectorized" in choose(CPU, "auto", "auto", cpu, never).reason
+    assert "w4a8" in choose(CPU, "auto", "auto", cpu, never).reason  # says what the op's build would give
+    assert choose(CPU, "float32", "auto", built, never).precision == "bf16"  # low bits only with bf16
+
+
+def test_an_op_built_on_a_cpu_without_vector_kernels_keeps_float_weights() -> None:
+    auto = choose(CPU, "auto", "auto", dataclasses.replace(NO_AVX2, **OP_BUILT), bf16_slow)
+    assert (auto.dtype, auto.precision) == (FP32, "bf16")
+
+
+def test_integer_products_ready_loads_a_cached_build_and_never_compiles(monkeypatch) -> None:
+    from lab.engine import native_forward
+
+    calls: list[str] = []
+    monkeypatch.setattr(native_forward, "build", lambda: calls.append("build") or True)
+    monkeypatch.setattr(native_forward, "available", lambda: calls.append("background") or False)
+    for state, cached, ready, expected_calls in (
+        ("built", False, True, []),
+        ("failed", True, False, []),
+        ("not tried", True, True, ["build"]),  # a cached build: loaded now
+        ("not tried", False, False, ["background"]),  # none: built in the background, int4 meanwhile
+        ("building", False, False, ["background"]),
+    ):
+        calls.clear()
+        monkeypatch.setattr(native_forward, "build_state", lambda state=state: state)
+        monkeypatch.setattr(native_forward, "cached_build_exists", lambda cached=cached: cached)
+        assert defaults.integer_products_ready() is ready and calls == expected_calls, state
 
 
 def test_float_weights_take_the_dtype_a_decode_step_measures_faster() -> None:
@@ -85,7 +117,7 @@ def test_gpus_and_bad_names() -> None:
 
 def test_every_description_fits_a_trace() -> None:
     timers = [never, bf16_slow]
-    cpus = [NO_NATIVE_BF16, NATIVE_BF16, LAPTOP_AVX2, NO_AVX2]
+    cpus = [NO_NATIVE_BF16, NATIVE_BF16, LAPTOP_AVX2, NO_AVX2, dataclasses.replace(LAPTOP_AVX2, **OP_BUILT)]
     for cpu, dtype, precision in itertools.product(cpus, ("auto", "float32", "bfloat16", "float16"), PRECISIONS):
         choice = choose(CPU, dtype, precision, cpu, timers[1])
         assert isinstance(choice, Choice) and 0 < len(choice.describe()) <= 400
@@ -147,6 +179,9 @@ def test_the_cache_times_real_decode_steps_once_and_records_the_choice(monkeypat
     assert again.choice == loaded.choice and set(cache.built) == {(loaded.dtype, "bf16")}  # chosen once
     auto = cache.get("tiny", "cpu", "auto", "auto")
     assert (auto.dtype, auto.precision) == (BF16, "int4") and cache.known_choice("tiny", "cpu", "auto", "auto")
+    monkeypatch.setattr(defaults, "cpu_features", lambda: dataclasses.replace(NO_NATIVE_BF16, **OP_BUILT))
+    fresh = _TinyCache()
+    assert fresh.get("tiny", "cpu", "auto", "auto").precision == "w4a8" and set(fresh.built) == {(BF16, "w4a8")}
     assert cache.known_choice("tiny", "cpu", "float32", "auto") is None  # never asked: nothing chosen
     with pytest.raises(ModelLoadError, match="dtype"):
         cache.get("tiny", "cpu", "int4", "auto")

@@ -141,7 +141,7 @@ def test_quantized_copy_replaces_the_linears_and_keeps_a_tied_embedding() -> Non
 def test_resolve_precision_chooses_auto_on_cpu_and_refuses_low_bit_on_gpus() -> None:
     cpu = torch.device("cpu")
     assert resolve_precision("int8", cpu, torch.float32) == "int8"
-    assert resolve_precision("auto", cpu, torch.bfloat16) in ("bf16", "int8", "int4")
+    assert resolve_precision("auto", cpu, torch.bfloat16) in ("bf16", "int4", "w4a8")
     assert resolve_precision("auto", torch.device("cuda"), torch.bfloat16) == "bf16"
     with pytest.raises(ValueError, match="CPU kernels"):
         resolve_precision("int4", torch.device("cuda"), torch.bfloat16)

@@ -1,26 +1,34 @@
 """The dtype and weight precision a model loads in when either is "auto", chosen together (issue 28).
 
-The weight-only low-bit linears (`lab.engine.quant`) run PyTorch's int4 / int8 CPU kernels, whose vectorized
-code (AVX2 and AVX-512 builds) takes bfloat16 activations: the kernel widens them to float32 itself, so it needs
-no bf16 instructions, while float32 activations take a scalar loop many times slower. So a low-bit precision is
-always paired with bfloat16 activations, and "auto" goes low-bit on any CPU where that vectorized kernel exists,
+The low-bit linears (`lab.engine.quant`) have two kinds of CPU kernel. Weight-only int4 / int8 run PyTorch's kernels
+(or the op's row-efficient copies of them), whose vectorized code (AVX2 and AVX-512 builds) takes bfloat16
+activations: the kernel widens them to float32 itself, so it needs no bf16 instructions, while float32 activations
+take a scalar loop many times slower. w4a8 quantizes each activation row to 8-bit blocks and multiplies with integer
+dot products (llama.cpp's numerics for the same Q4_1 weights): it runs in the C++ op only (AVX-512 VNNI, AVX-VNNI or
+AVX2 variants; `w4a8_reference` in PyTorch is a correctness fallback, not a fast path); it costs less than int4 per
+row and agrees with the float model about as well (both measured in docs/benchmarks.md). So a low-bit precision is
+always paired with bfloat16 activations, and "auto" goes low-bit on any CPU where a vectorized kernel exists,
 whether or not the CPU multiplies bf16 matrices fast. The rules, on CPU (`choose`):
 - dtype and precision both given: as requested (the reason warns when a low-bit precision runs on fp32 or fp16).
-- precision int4 / int8, dtype auto: bfloat16.
-- both auto: int4 with bfloat16 where the CPU capability is AVX2 or AVX-512 (`CpuFeatures`), else float weights.
+- precision int4 / int8 / w4a8, dtype auto: bfloat16.
+- both auto, where the CPU capability is AVX2 or AVX-512 (`CpuFeatures`): w4a8 with bfloat16 when the op's integer
+  products are built (`CpuFeatures.integer_products`), else int4 with bfloat16; other CPUs keep float weights.
 - dtype auto with float weights (precision bf16, or auto without a vectorized low-bit kernel): bfloat16 on CPUs
   with native bf16 dot products (cpuid flags avx512_bf16 or amx_bf16); elsewhere the faster of float32 and
   bfloat16 by timing a real decode step of the loaded model in both (`decode_step_seconds`: CPU time, the minimum
   over interleaved repeats, so a busy machine slows both alike and a stall on one repeat does not decide), with
   bfloat16 only where it is markedly faster.
-- dtype given, precision auto: int4 with bfloat16 where the kernel is vectorized, float weights with other dtypes.
-CUDA takes bfloat16 and MPS float16, both with float weights. Every choice carries its reason (`Choice.describe`),
-which the model records (`LoadedModel.choice`) for traces, the app and bench rows.
+- dtype given, precision auto: as both auto with bfloat16; float weights with other dtypes.
+Whether the op is built is asked without waiting for a compiler (`integer_products_ready`): a cached build loads
+(about a second); with none the op starts building in the background and this process's "auto" takes int4 (a
+later process finds the build). CUDA takes bfloat16 and MPS float16, both with float weights. Every choice carries
+its reason (`Choice.describe`), which the model records (`LoadedModel.choice`) for traces, the app and bench rows.
 Not covered: ARM CPUs (their low-bit kernels are not considered: float weights), per-layer choices, fp16 timing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -51,6 +59,7 @@ class CpuFeatures:
 
     capability: str
     flags: frozenset[str]
+    integer_products: bool = False  # the op's w4a8 products are loaded (lab.engine.native_forward)
 
     @property
     def low_bit_vectorized(self) -> bool:
@@ -78,8 +87,27 @@ class Choice:
         return f"{NAMES.get(self.dtype, str(self.dtype))} activations, {weights} weights: {self.reason}"
 
 
-@cache
 def cpu_features() -> CpuFeatures:
+    """This machine's CPU features and whether the op's integer products can run now."""
+    return dataclasses.replace(_cpu(), integer_products=integer_products_ready())
+
+
+def integer_products_ready() -> bool:
+    """Whether the op (with its w4a8 products) is loaded, loading a cached build when there is one; never waits for
+    a compile from scratch: without a cached build the op starts building in the background (False until then)."""
+    from lab.engine import native_forward
+
+    state = native_forward.build_state()
+    if state in ("built", "failed"):
+        return state == "built"
+    if native_forward.cached_build_exists():
+        return native_forward.build()
+    native_forward.available()  # starts the background build
+    return False
+
+
+@cache
+def _cpu() -> CpuFeatures:
     """This machine's CPU features (no flags where /proc/cpuinfo is not readable, e.g. on macOS)."""
     flags: frozenset[str] = frozenset()
     try:
@@ -134,7 +162,11 @@ def _choose_cpu(wanted: torch.dtype | None, precision: str, cpu: CpuFeatures, ti
     if precision in LOW_BIT:
         return Choice(LOW_BIT_ACTIVATIONS, precision, f"{precision} asked for; {kernel}")
     if precision == "auto" and cpu.low_bit_vectorized and wanted in (None, LOW_BIT_ACTIVATIONS):
-        return Choice(LOW_BIT_ACTIVATIONS, "int4", f"auto: {kernel}; 4-bit weights read a quarter of the bytes")
+        if cpu.integer_products:
+            why = "the op's integer products (w4a8: 4-bit weights, 8-bit activation blocks) are built"
+            return Choice(LOW_BIT_ACTIVATIONS, "w4a8", f"auto: {why} for {cpu.capability}")
+        why = "4-bit weights read a quarter of the bytes (w4a8 needs the op's build)"
+        return Choice(LOW_BIT_ACTIVATIONS, "int4", f"auto: {kernel}; {why}")
     if wanted is not None:
         return Choice(wanted, FLOAT_WEIGHTS, f"auto: float weights, as {kernel}")
     dtype, why = _float_dtype(cpu, time_steps)

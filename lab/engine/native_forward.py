@@ -115,6 +115,15 @@ def build_state() -> str:
     return "building" if _building else "not tried"
 
 
+def cached_build_exists() -> bool:
+    """Whether a compiled op lies in the build directory (loading it takes a second; torch recompiles only when the
+    sources or flags changed)."""
+    try:
+        return (build_directory() / f"{EXTENSION}.so").is_file()
+    except OSError:
+        return False
+
+
 def build_directory() -> Path:
     """Where the op is compiled and cached: `$TORCH_EXTENSIONS_DIR/decoding_lab_native` when that is set, else in
     this interpreter's prefix (the project's .venv), else torch's per-user default. Not the per-user default first:

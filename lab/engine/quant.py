@@ -16,8 +16,8 @@ the weights in fewer bits and multiplying them with PyTorch's CPU kernels cuts t
   row's result depends neither on the other rows nor on the thread count, so every lossless method keeps greedy's
   output at this precision too. Differences from ggml: d_x stays float32 (ggml rounds it to fp16), the rounding is
   half to even (ggml's roundf rounds halves away from zero), and the blocks are added in a fixed order in float32.
-  Its activation rounding costs some agreement with the float model (docs/benchmarks.md, quality per precision),
-  so the default stays int4.
+  With its Q8_0 LM head it agrees with the float model about as well as int4 (docs/benchmarks.md, quality per
+  precision), and it is the CPU default where the op is built (`lab.engine.defaults`).
 - `W8A8Linear` (the LM head at precision "w4a8"): ggml's Q8_0 blocks (w = d q, q in [-128, 127], d in fp16 per 32
   inputs; the GGUF's own when it stores the head or the tied embedding so) times the same 8-bit activation blocks:
   y = sum_g (d_w d_x) sum_j q_w,j q_x,j in block order, llama.cpp's numerics for a Q8_0 tensor
@@ -634,6 +634,12 @@ def _head_replacement(head: nn.Linear, precision: str, dtype: torch.dtype, block
     return Int8Linear(head.weight, head.bias, dtype)
 
 
+def quantized_head(head: nn.Linear, precision: str, dtype: torch.dtype) -> nn.Module:
+    """A draft head's own output layer in the target's LM-head format at `precision` (Q8_0 blocks at w4a8, where the
+    shape fits, else int8 per channel), quantized from its float weight."""
+    return _head_replacement(head, precision, dtype, {}, tied=False)
+
+
 def precision_of(model: nn.Module) -> str:
     """w4a8 / int4 / int8 when the model holds such modules, else bf16 (its float weights)."""
     kinds = {type(m) for m in model.modules()}
@@ -645,8 +651,9 @@ def precision_of(model: nn.Module) -> str:
 
 def resolve_precision(precision: str, device: torch.device, dtype: torch.dtype) -> str:
     """The precision a model in `dtype` on `device` gets (`lab.engine.defaults.choose` with that dtype given):
-    bf16 (float weights) on CUDA / MPS; on CPU "auto" is int4 where the dtype is the low-bit kernels' bfloat16
-    and the kernel is vectorized, else float weights. ValueError for unknown names or low bits on a GPU."""
+    bf16 (float weights) on CUDA / MPS; on CPU "auto" is w4a8 (int4 until the op is built) where the dtype is the
+    low-bit kernels' bfloat16 and the kernels are vectorized, else float weights. ValueError for unknown names or
+    low bits on a GPU."""
     from lab.engine.defaults import NAMES, choose  # defaults reads PRECISIONS from here
 
     return choose(device, NAMES.get(dtype, str(dtype)), precision).precision

@@ -53,9 +53,10 @@ def _add_precision_option(parser: argparse.ArgumentParser) -> None:
         "--precision",
         default="auto",
         metavar=PRECISION_HELP,
-        help="weight format of the linears: bf16 = float weights in --dtype, int8, int4 (CPU; the GGUF's own "
-        "4-bit blocks for the embedded model; with --dtype auto always bfloat16 activations, the low-bit kernels' "
-        "fast ones), auto = chosen with the dtype by what the CPU supports (default)",
+        help="weight format of the linears: bf16 = float weights in --dtype, int8, int4, w4a8 (CPU; the GGUF's "
+        "own 4-bit blocks for the embedded model, w4a8 with 8-bit activation blocks and integer dot products; with "
+        "--dtype auto always bfloat16 activations, the low-bit kernels' fast ones), auto = chosen with the dtype by "
+        "what the CPU supports and whether the C++ op is built (default: w4a8 on an AVX2 / AVX-512 CPU)",
     )
 
 

@@ -169,6 +169,6 @@ def register(commands, evaluations, add_model_options) -> None:
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     add_model_options(doctor)
     doctor.add_argument(
-        "--precision", default="auto", help="weight format: bf16, int8, int4, auto (as `run`; the default)"
+        "--precision", default="auto", help="weight format: bf16, int8, int4, w4a8, auto (as `run`; the default)"
     )
     doctor.set_defaults(handler=cmd_doctor)

@@ -36,7 +36,7 @@ class Trace:
     params: dict
     events: list[Event] = field(default_factory=list)
     dtype: str = ""  # e.g. bfloat16 ("" when not recorded)
-    precision: str = ""  # weight format of the linears: bf16 (float weights), int8, int4 or a requested "auto"
+    precision: str = ""  # weight format of the linears: bf16 (float weights), int8, int4, w4a8 or a requested "auto"
     choice: str = ""  # how dtype and precision were chosen, and why ("" when not recorded)
     # where this run branched from another (lab.app.branching.branch_record); None for a run from the prompt
     branch: dict | None = None

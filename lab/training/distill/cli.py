@@ -115,7 +115,9 @@ def register(commands, evaluations, add_model_options) -> None:
         "--store", default=None, help="keep token ids only, in this tracked folder (e.g. heads/data/<model>/<name>)"
     )
     parser.add_argument("--max-shards", default=None, help="--store: make at most K of the plan's missing shards")
-    parser.add_argument("--precision", default="bf16", help="weight format of the linears: bf16, int8, int4, auto")
+    parser.add_argument(
+        "--precision", default="bf16", help="weight format of the linears: bf16, int8, int4, w4a8, auto"
+    )
     parser.add_argument("--limit", default=None, help="use only the first K prompts of the 336")
     parser.add_argument("--check-overlap", action="store_true", help="only check the prompts of --store (or --out)")
     parser.add_argument("--prompts", default="handwritten", choices=("handwritten", "magpie"), help="prompt source")
