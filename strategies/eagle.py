@@ -19,9 +19,10 @@ re-reads the path with real features in step 1 of the next round, as EAGLE's imp
 6. an `EagleDraft` (every candidate, its score, the rerank cut), a `TreeRound` and one `TokenEmitted` per
 token stream out. The first token comes from the prefill forward, as in greedy decoding.
 
-Defaults (total_tokens 16, depth 3, branch 8) come from measuring the round's parts on the embedded model on the
-2-core CPU (`lab.tools.eagle_tune` replays tree sizes, then `lab bench` checked the best few; CHANGELOG.md keeps that
-table).
+Defaults (total_tokens 4, depth 2, branch 8) are the fastest tree measured for the embedded model at the CPU's
+default precision (w4a8) on the 2-core CPU: `lab.tools.eagle_tune` replays tree sizes, then `lab bench` checked the
+best few against the earlier default (16, 3) in one run (docs/benchmarks.md). On a GPU, where a verify row is
+nearly free, larger trees (more tokens a round) pay; set total_tokens and depth there.
 Deliberate differences: EOS nodes are not expanded; no repetition penalty (it would depend on each node's path);
 the head only scores its draft vocabulary V_d (`lab.heads.eagle`).
 The shipped head (`head`, used when `heads_path` is empty) is EAGLE-3 (Li et al. 2025: the draft reads a fusion of
@@ -60,8 +61,8 @@ SHIPPED_HEADS = ("eagle3", "eagle1")
 @dataclass(frozen=True)
 class EagleParams(DecodeParams):
     mode: str = param("greedy", choices=MODES, help="greedy: exact argmax path; sample: EAGLE-2's lossless rule.")
-    total_tokens: int = param(16, low=1, high=128, help="Draft nodes kept after reranking by c(x) (verify size).")
-    depth: int = param(3, low=1, high=16, help="Draft tree levels: head forwards per round (longest draft).")
+    total_tokens: int = param(4, low=1, high=128, help="Draft nodes kept after reranking by c(x) (verify size).")
+    depth: int = param(2, low=1, high=16, help="Draft tree levels: head forwards per round (longest draft).")
     branch: int = param(8, low=1, high=16, help="EAGLE-2's top_k: children per expanded node and frontier width.")
     temperature: float = param(
         1.0, low=0.05, high=2.0, help="sample: p = softmax(z / T) of the target.", only_when=("mode", "sample")
@@ -98,7 +99,7 @@ def cached_head(loaded: LoadedModel, path: str, head: str) -> EagleHead | Eagle3
     if not path and head == "eagle3":
         path = shipped_eagle3(loaded)
     if path and not is_lab_stem(path):
-        return published_build.cached("eagle", loaded, path)
+        return serving_head(published_build.cached("eagle", loaded, path), loaded)  # cached per model: in place
 
     def build(tensors: dict, config: dict) -> EagleHead:
         return serving_head(build_head(loaded, tensors["vocab"], tensors), loaded)

@@ -16,10 +16,10 @@ import torch
 
 from lab.app.builtin_prompts import BUILTIN_PROMPTS
 from lab.engine.models import wrap_model
-from lab.engine.quant import Int4Linear, quantize_model
+from lab.engine.quant import Int4Linear, Int8Linear, W4A8Linear, W8A8Linear, quantize_model
 from lab.heads.common import load_heads, save_heads
 from lab.heads.eagle import EagleCache, EagleHead, build_head, serving_head
-from lab.heads.eagle3 import Eagle3Head
+from lab.heads.eagle3 import Eagle3Head, build_eagle3, head_config, vocab_maps
 from lab.params import InputError, build_params
 from lab.speculative.proposers.eagle import EagleProposer, TreeShape, grow_tree, rerank
 from lab.speculative.tree import TreeSettings, tree_loop
@@ -206,6 +206,49 @@ def test_the_serving_head_runs_low_bit_and_stays_lossless(tiny_trained) -> None:
     bf16 = wrap_model(tiny_llama(0).to(torch.bfloat16), ByteTokenizer())
     kept = serving_head(build_head(bf16, tensors["vocab"], tensors), bf16)
     assert type(kept.fc) is torch.nn.Linear and "lm_rows" not in kept._target
+
+
+@pytest.mark.parametrize(
+    "precision,layer_linear,lm_linear", [("w4a8", W4A8Linear, W8A8Linear), ("int4", Int4Linear, Int8Linear)]
+)
+def test_an_eagle3_head_is_served_in_the_targets_formats_and_stays_lossless(precision, layer_linear, lm_linear) -> None:
+    """An EAGLE-3 head on a low-bit target: fc and its layer take the target's precision, its own draft LM head the
+    target's LM-head format (no float linear is left, so no draft step runs a float product); serving twice changes
+    nothing, the draft logits stay close to the float head's, and greedy EAGLE still equals greedy at that precision."""
+    model = tiny_llama(3, layers=8, hidden=64).to(torch.bfloat16)
+    quantize_model(model, precision, torch.bfloat16)
+    target = wrap_model(model, ByteTokenizer())
+    torch.manual_seed(0)
+    draft_vocab = torch.sort(torch.randperm(256)[:48]).values
+    config = head_config(model.config, 48)
+
+    def fresh() -> Eagle3Head:
+        head = build_eagle3(config, model.get_input_embeddings())
+        d2t, t2d = vocab_maps(draft_vocab, 256)
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+        return head.to(torch.bfloat16).eval()
+
+    torch.manual_seed(1)
+    float_head = fresh()
+    head = fresh()
+    head.load_state_dict(float_head.state_dict())
+    served = serving_head(head, target)
+    assert served is head and isinstance(head.fc, layer_linear) and isinstance(head.lm_head, lm_linear)
+    assert isinstance(head.midlayer.self_attn.q_proj, layer_linear) and isinstance(
+        head.midlayer.mlp.down_proj, layer_linear
+    )
+    assert not any(type(m) is torch.nn.Linear for m in head.modules())
+    lm_head = head.lm_head
+    assert serving_head(head, target).lm_head is lm_head  # already served: left as it is
+    hidden = torch.randn(5, 64).to(torch.bfloat16)
+    drafted, reference = head.logits(hidden).float(), float_head.logits(hidden).float()
+    assert drafted.shape == reference.shape == (5, 48)
+    assert torch.allclose(drafted, reference, atol=0.1 * reference.abs().max().item())
+    prompt = target.encode("the quick brown fox")
+    events = run_eagle(target, head, prompt, max_new_tokens=30, total_tokens=6, depth=3)
+    assert tokens_of(events) == greedy_tokens(target, prompt, 30)
+    assert any(isinstance(e, TreeRound) for e in events)
 
 
 def test_budget_is_exact_and_events_are_consistent(tiny_trained) -> None:

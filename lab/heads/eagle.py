@@ -9,9 +9,10 @@ work; EAGLE-1 drops that layer's input norm, and so do we). The target's frozen 
 draft distribution q(x_{p+2}) = softmax(W_lm[V_d] f_hat_{p+1}), a softmax over V_d only, a frequency-ranked draft
 vocabulary (FR-Spec / EAGLE-3 style; `lab.heads.common.draft_vocabulary`): scoring 8k rows instead of 49k is
 what makes a draft step cheap on a CPU. Verification always scores the full vocabulary, so outputs stay exact.
-On a CPU target with low-bit weights (int8 / int4) the strategy runs the head at the target's precision
-(`serving_head`: fc and the layer through the same low-bit kernels, the draft logits through the int8 rows V_d of
-the target's LM head); trained and saved heads stay float.
+On a CPU target with low-bit weights (int8 / int4 / w4a8) the strategy runs the head at the target's precision
+(`serving_head`: fc and the layer through the same low-bit kernels, the draft logits through the low-bit rows V_d of
+the target's LM head; an EAGLE-3 head's own draft LM head in the target's LM-head format); trained and saved heads
+stay float.
 
 `EagleCache` is the head's own KV cache. Its first `committed` entries are real pairs (f_p, x_{p+1}) whose
 feature came from the target; draft-tree entries (pairs whose feature is the head's own prediction) are appended
@@ -36,7 +37,8 @@ from torch import nn
 from transformers import DynamicCache
 
 from lab.engine.models import LoadedModel
-from lab.engine.quant import Int8Linear, W8A8Linear, quantize_linears
+from lab.engine.quant import Int8Linear, W8A8Linear, quantize_linears, quantized_head
+from lab.heads.eagle3 import Eagle3Head
 
 KIND = "eagle"
 
@@ -119,13 +121,20 @@ def build_head(loaded: LoadedModel, vocab: torch.Tensor, tensors: dict[str, torc
     return head.to(device=loaded.device, dtype=loaded.dtype).eval()
 
 
-def serving_head(head: EagleHead, loaded: LoadedModel) -> EagleHead:
+def serving_head(head: EagleHead | Eagle3Head, loaded: LoadedModel) -> EagleHead | Eagle3Head:
     """The head as the strategy runs it. For a CPU target whose linears are low-bit (int8 / int4 with its int8 LM
     head, w4a8 with its Q8_0 one), the head's fc and decoder layer take the target's precision and its draft logits
-    the rows V_d of the target's LM head, so each draft step runs the target's row-efficient low-bit kernels instead
-    of float products: the draft distribution changes by the weights' rounding (as the target's does at that precision);
-    verification, and so the output, does not. Other targets keep the head as built. In place; returns it."""
+    the rows V_d of the target's LM head (EAGLE-1: it has no LM head of its own) or its own LM head in the target's
+    LM-head format (EAGLE-3), so each draft step runs the target's row-efficient low-bit kernels instead of float
+    products: the draft distribution changes by the weights' rounding (as the target's does at that precision);
+    verification, and so the output, does not. Other targets keep the head as built. In place (a head already
+    served is left as it is); returns it."""
     if loaded.device.type != "cpu" or loaded.precision not in ("int8", "int4", "w4a8"):
+        return head
+    if isinstance(head, Eagle3Head):
+        if type(head.lm_head) is nn.Linear:  # first, so the next line leaves it alone
+            head.lm_head = quantized_head(head.lm_head, loaded.precision, loaded.dtype)
+        quantize_linears(head, loaded.precision, loaded.dtype)  # fc and the layer's linears
         return head
     lm_head = loaded.lm_head
     if type(lm_head) not in (Int8Linear, W8A8Linear) or head.draft_vocab_size == loaded.vocab_size:

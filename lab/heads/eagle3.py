@@ -218,12 +218,12 @@ class Eagle3Head(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits over V_d: lm_head(RMSNorm(o)) (the norm is already applied with `norm_output`). [..., V_d]"""
-        hidden = hidden.to(self.lm_head.weight.dtype)
+        hidden = hidden.to(self.dtype)  # not lm_head.weight: a low-bit head (`serving_head`) dequantizes on read
         return self.lm_head(hidden if self.flags["norm_output"] else self.norm(hidden))
 
     def to(self, *args, **kwargs):  # the frozen rotary follows the device, never the dtype
         out = super().to(*args, **kwargs)
-        self._frozen["rotary"].to(device=self.fc.weight.device)
+        self._frozen["rotary"].to(device=self.norm.weight.device)
         return out
 
 

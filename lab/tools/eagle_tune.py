@@ -2,16 +2,22 @@
 
 EAGLE-2 picks total_tokens automatically by timing the target's verify forward at a few tree sizes. Here the
 same idea is made exact for greedy decoding:
-1. verify cost: the target's tree-verify forward (with KV compaction) is timed for 1 + N tokens, N in `sizes`,
-   and one head step for `branch` frontier nodes is timed (min over repeats, interleaved);
+1. verify cost: the target's tree-verify forward (with KV compaction) is timed for 1 + N tokens, N in `sizes`, at
+   a run's middle context (the prompts' mean length plus half of max_new_tokens), and one head step for `branch`
+   frontier nodes is timed (min over repeats, interleaved);
 2. acceptance: EAGLE runs greedily on the prompts once per `branch` with a large tree (total_tokens =
    max(sizes), depth = max(depths)). For a smaller setting (N, D), the kept tree is the first N candidates of
    depth < D in the rerank order, and the greedy walk follows the same target argmaxes, so its accepted length
    is the number of leading nodes of the big tree's accepted path that survive the cut. This is exact round by
    round; over a run the round boundaries of a smaller tree shift, so tau(N, D) is a close estimate;
-3. estimated tokens/s(N, D) = tau(N, D) / (t_extend + (D - 1) t_step + t_verify(N)), ranked.
-The printed table and the best setting are what the eagle strategy's defaults come from (CHANGELOG.md keeps the last
-table). Not covered: sampling mode (acceptance is random there), per-prompt adaptation of the tree size.
+3. estimated tokens/s(N, D) = tau(N, D) / (t_extend + (D - 1) t_step + t_verify(N) + t_other), ranked, where
+   t_other is the rest of a round (drafting bookkeeping, reranking, acceptance, Python): the acceptance runs' wall
+   time per round (less a prefill of each prompt, timed again) less the modelled parts of their big tree, taken as
+   the same for every tree size.
+`--precision` tunes for a weight precision (the costs and the head's serving form follow it; "auto" is what the
+lab's defaults choose on this machine). The printed table and the best setting are what the eagle strategy's
+defaults come from (docs/benchmarks.md has the current run). Not covered: sampling mode (acceptance is random there),
+per-prompt adaptation of the tree size, a t_other that grows with the tree.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 
 from lab.app.builtin_prompts import load_prompts
 from lab.engine import runtime
+from lab.engine.invariance import rows_invariant
 from lab.engine.models import load_model
 from lab.engine.sampling import SamplingConfig
 from lab.engine.tree_attention import build_tree_attention
@@ -34,17 +41,21 @@ from lab.speculative.tree import TreeSettings, tree_loop
 from lab.trace import EagleDraft, TreeRound
 
 
-def verify_times(loaded, sizes: list[int], repeats: int = 5) -> dict[int, float]:
-    """Seconds of one tree-verify forward over 1 + N tokens plus the KV compaction, min over repeats."""
-    state, _ = runtime.prefill(loaded, loaded.encode("Explain how a bicycle works, step by step.") + [100] * 200)
+def verify_times(loaded, sizes: list[int], context: int = 200, repeats: int = 5) -> dict[int, float]:
+    """Seconds of one tree-verify forward over 1 + N tokens after `context` cached positions plus the KV compaction,
+    min over repeats (row-invariant, as the strategy verifies: without `rows_invariant` a multi-token forward takes
+    the prefill path instead)."""
+    ids = loaded.encode("Explain how a bicycle works, step by step.") + [100] * context
+    state, _ = runtime.prefill(loaded, ids[: max(context, 1)])
     n0, best = state.length, {n: float("inf") for n in sizes}
     for _ in range(repeats):
         for n in sizes:
             parents = [-1] + [(i - 1) // 4 for i in range(1, n + 1)]
             start = time.perf_counter()
-            runtime.verify_tree(
-                state, build_tree_attention(parents), [100 + i for i in range(n + 1)], hidden_states=True
-            )
+            with rows_invariant(loaded):  # as the strategy's verifier runs it (lab.speculative.verify)
+                runtime.verify_tree(
+                    state, build_tree_attention(parents), [100 + i for i in range(n + 1)], hidden_states=True
+                )
             runtime.select(state, list(range(n0)) + [n0, n0 + 1])
             best[n] = min(best[n], time.perf_counter() - start)
             runtime.crop(state, n0)
@@ -104,6 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--precision", default="auto", help="weight format, as `run` (default: the lab's choice)")
     parser.add_argument("--heads-path", default="", help="EAGLE head file or stem (default: the shipped one)")
     parser.add_argument("--limit", type=int, default=8, help="builtin prompts used for the acceptance runs")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -112,28 +124,40 @@ def main() -> None:
     parser.add_argument("--branches", default="4,6,8,10")
     args = parser.parse_args()
     sizes, depths = [int(x) for x in args.sizes.split(",")], [int(x) for x in args.depths.split(",")]
-    loaded = load_model(args.model, dtype=args.dtype)
+    loaded = load_model(args.model, dtype=args.dtype, precision=args.precision)
+    print(f"{loaded.spec}: {loaded.choice or f'{loaded.dtype}, {loaded.precision} weights'}")
     tensors, _ = load_heads(KIND, loaded, args.heads_path or None)
     head = serving_head(build_head(loaded, tensors["vocab"], tensors), loaded)
-    verify = verify_times(loaded, sizes)
-    print("verify ms (1 + N tokens):", {n: round(1000 * t, 2) for n, t in verify.items()})
     prompts = [loaded.encode(p) for p in load_prompts("builtin")[: args.limit]]
+    context = round(sum(len(ids) for ids in prompts) / len(prompts) + args.max_new_tokens / 2)  # a run's middle
+    verify = verify_times(loaded, sizes, context)
+    print(f"verify ms (1 + N tokens after {context}):", {n: round(1000 * t, 2) for n, t in verify.items()})
     results = []
     for branch in (int(x) for x in args.branches.split(",")):
         extend, step = head_times(loaded, head, branch)
         print(f"branch {branch}: head extend {1000 * extend:.2f} ms, head step {1000 * step:.2f} ms")
         shape = TreeShape(max(sizes), max(depths), branch)
         settings = TreeSettings(args.max_new_tokens, SamplingConfig(temperature=0.0), method="eagle")
-        runs = [
-            collect(tree_loop(loaded, ids, EagleProposer(head, shape), torch.Generator(), settings)) for ids in prompts
-        ]
+        runs, wall = [], 0.0
+        for ids in prompts:
+            start = time.perf_counter()
+            runs.append(collect(tree_loop(loaded, ids, EagleProposer(head, shape), torch.Generator(), settings)))
+            middle = time.perf_counter()
+            runtime.prefill(loaded, ids)  # the run's prefill again, to leave it out of the rounds' time
+            wall += (middle - start) - (time.perf_counter() - middle)
         rounds = [r for events in runs for r in rounds_of(events)]
+        modelled = extend + (max(depths) - 1) * step + verify[max(sizes)]
+        other = max(wall / max(len(rounds), 1) - modelled, 0.0)
+        print(
+            f"branch {branch}: {1000 * wall / max(len(rounds), 1):.2f} ms a round of the big tree, "
+            f"{1000 * modelled:.2f} modelled: t_other {1000 * other:.2f} ms"
+        )
         print(f"branch {branch}: tau by total_tokens (rows) x depth {depths} (columns), {len(rounds)} rounds")
         for n in sizes:
             print(f"  {n:4d}: " + " ".join(f"{tau_for(rounds, n, depth):5.2f}" for depth in depths))
             for depth in depths:
                 tau = tau_for(rounds, n, depth)
-                seconds = extend + (depth - 1) * step + verify[n]
+                seconds = extend + (depth - 1) * step + verify[n] + other
                 results.append((tau / seconds, tau, branch, n, depth, 1000 * seconds))
     print("est. tok/s   tau  branch  total_tokens  depth  ms/round")
     for row in sorted(results, reverse=True)[:25]:
