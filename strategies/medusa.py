@@ -16,8 +16,9 @@ Acceptance modes:
 - sample (lossless): `accept_tree_sampled`'s sibling-by-sibling rule for deterministic candidates (SpecInfer /
   EAGLE-2): accept child x with probability p(x), else p(x) = 0, renormalise, try the next sibling, finally
   sample what is left. A drafter that samples a chain with known q (MTPC) gets Leviathan et al.'s rule.
-Tree size (`tree_nodes`, default 8) is a CPU trade-off (docs/benchmarks.md has the current figures): a verify
-forward costs a little more per node on a CPU, while on a GPU larger trees are nearly free.
+Tree size (`tree_nodes`, default 4, shared with MTPC) is a CPU trade-off (docs/benchmarks.md has the current
+figures): a verify forward costs more per node on a CPU, while on a GPU larger trees are nearly free. At the CPU's
+default precision (w4a8) 4 nodes ran faster than 8 and 2 faster still; 4 keeps a tree to look at.
 The loop is `lab.speculative.tree.tree_loop`, the drafter `lab.speculative.proposers.medusa.MedusaProposer`.
 `heads_path` also takes FasterDecoding's Medusa heads (a folder or Hub id: lab.heads.published), each head with
 its own output layer over the full vocabulary.

@@ -87,7 +87,7 @@ class HeadTreeParams(DecodeParams):
         choices=TREE_MODES,
         help="greedy: exact; typical: p(x) > min(eps, delta e^-H) (lossy); sample: lossless.",
     )
-    tree_nodes: int = param(8, low=1, high=64, help="Candidate tree size: the first N paths of the tuned tree.")
+    tree_nodes: int = param(4, low=1, high=64, help="Candidate tree size: the first N paths of the tuned tree.")
     temperature: float = param(
         0.7, low=0.05, high=2.0, help="typical / sample: p = softmax(z / T).", only_when=("mode", ("typical", "sample"))
     )
