@@ -157,20 +157,23 @@ def test_without_the_op_forwards_take_the_python_loop(monkeypatch, op_calls) -> 
     assert op_calls == []
 
 
+@pytest.mark.parametrize("variant", ["best", "portable"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_attention_loop_equals_exact_attention(dtype) -> None:
+def test_the_attention_loop_equals_exact_attention(dtype, variant) -> None:
     """Scores are exact in float64, so the loop and exact_attention's batched products round to the same values
-    (module docstrings); masked keys, grouped heads, many rows and keys."""
+    (module docstrings); masked keys, grouped heads, many rows and keys. "best" is the AVX-512 loop for bf16 on a
+    CPU that has it (lab/engine/native/attention_avx512.cpp), "portable" the loop every CPU runs."""
     torch.manual_seed(0)
     tree = build_tree_attention([-1, 0, 0, 1, 1, 2, 3, 3])
-    for rows, past, mask in [(1, 200, None), (3, 50, "causal"), (8, 100, "tree")]:
+    code = {"best": -1, "portable": 0}[variant]
+    for rows, past, mask in [(1, 200, None), (3, 50, "causal"), (8, 100, "tree"), (1, 5, None), (2, 30, "causal")]:
         keys = past + rows
         q = torch.randn(1, 9, rows, 64).to(dtype)
         k, v = torch.randn(1, 3, keys, 64).to(dtype), torch.randn(1, 3, keys, 64).to(dtype)
         attention_mask = tree.attention_mask(past) if mask == "tree" else None
         hidden = _hidden_keys(attention_mask, rows, keys) if mask else None  # [rows, keys], True: not seen
         expected = exact_attention(q, k, v, attention_mask, 0.125)
-        assert torch.equal(torch.ops.decoding_lab.exact_attention(q, k, v, hidden, 0.125), expected)
+        assert torch.equal(torch.ops.decoding_lab.exact_attention(q, k, v, hidden, 0.125, code), expected)
 
 
 @pytest.mark.parametrize("features", [16, 64, 100, 576, 1536, 3000, 18432])  # tails and every cascade level

@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "attention.h"
 #include "lowbit_mm.h"
 
 #include <algorithm>
@@ -389,8 +390,10 @@ at::Tensor attention_rows(const at::Tensor& query, const kv_t* k, const kv_t* v,
 
 }  // namespace
 
+// variant: lowbit::kBest (the AVX-512 loop where it takes the call, attention_avx512.cpp) or lowbit::kReference (the
+// portable loop above), for the tests that compare them.
 at::Tensor exact_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                           const c10::optional<at::Tensor>& hidden_keys, double scaling) {
+                           const c10::optional<at::Tensor>& hidden_keys, double scaling, int64_t variant) {
   TORCH_CHECK(query.dim() == 4 && query.size(0) == 1 && key.size(0) == 1, "exact_attention: one sequence");
   TORCH_CHECK(query.size(1) % key.size(1) == 0, "exact_attention: query heads are a multiple of kv heads");
   at::Tensor hidden;
@@ -400,6 +403,9 @@ at::Tensor exact_attention(const at::Tensor& query, const at::Tensor& key, const
   }
   const bool* hidden_data = hidden.defined() ? hidden.data_ptr<bool>() : nullptr;
   at::Tensor out;
+  if (variant != lowbit::kReference && attention::avx512_takes(query, key, value)) {
+    return attention::avx512_rows(query, key, value, hidden_data, scaling);
+  }
   const int64_t kv_heads = key.size(1), keys = key.size(2);
   AT_DISPATCH_REDUCED_FLOATING_TYPES(query.scalar_type(), "exact_attention", [&] {
     if (query.size(2) == 1 && key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type()) {
@@ -432,7 +438,7 @@ static at::Tensor sequences_attention(const at::Tensor& query, const at::Tensor&
       keys_out[first + b] = at::cat({past_keys[first + b], key.slice(0, b, b + 1)}, -2);
       values_out[first + b] = at::cat({past_values[first + b], value.slice(0, b, b + 1)}, -2);
       attended[b] = exact_attention(query.slice(0, b, b + 1), keys_out[first + b], values_out[first + b],
-                                    c10::nullopt, scaling);
+                                    c10::nullopt, scaling, lowbit::kBest);
     }
   });
   return at::cat(attended, 0);
@@ -473,7 +479,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::ve
     if (batch == 1) {
       keys[l] = at::cat({past_keys[l], key}, -2);
       values[l] = at::cat({past_values[l], value}, -2);
-      attended = exact_attention(query, keys[l], values[l], hidden_keys, scaling);
+      attended = exact_attention(query, keys[l], values[l], hidden_keys, scaling, lowbit::kBest);
     } else {
       attended = sequences_attention(query, key, value, past_keys, past_values, l * batch, keys, values, scaling);
     }
@@ -500,6 +506,8 @@ TORCH_LIBRARY(decoding_lab, m) {
   m.def("row_sums(Tensor x, int lanes) -> Tensor", &row_sums);
   m.def("rms_norm(Tensor hidden, Tensor weight, float eps, int lanes) -> Tensor", &norm_step);
   m.def("rotary(Tensor states, Tensor cos, Tensor sin, int lanes) -> Tensor", &rotary_step);
-  m.def("exact_attention(Tensor query, Tensor key, Tensor value, Tensor? hidden_keys, float scaling) -> Tensor",
-        &exact_attention);
+  m.def(
+      "exact_attention(Tensor query, Tensor key, Tensor value, Tensor? hidden_keys, float scaling, int variant=-1) "
+      "-> Tensor",
+      &exact_attention);
 }

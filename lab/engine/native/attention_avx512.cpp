@@ -1,0 +1,153 @@
+// The AVX-512 variant of the op's attention loop (decoder_layers.cpp's attention_rows) for bf16 queries, keys and
+// values, the activation dtype of the lab's CPU defaults. It computes the same numbers as the portable loop:
+// - a score is a float64 sum of exact products of two bf16 inputs, exact itself (barring an exponent spread over
+//   ~30 bits), so the order of its adds (eight lanes, then _mm512_reduce_add_pd) gives the same number;
+// - the softmax is ATen's float64 softmax over the same [kv_heads, shared * T, S] scores;
+// - each row's weighted sum of values adds its visible keys in key order, one float64 multiply and one add per
+//   element as the portable loop (no fused multiply-add: the product of a weight and a value is not exact), then
+//   rounds double -> float -> bf16.
+// What differs is the work: the cache is read as bf16 in place for any number of rows (the portable loop widens the
+// whole cache to float64 for a verify forward), and each key and value is widened once per kv head and used for all
+// of its query rows (the heads that share it times the T rows) instead of once per row. A row's numbers do not depend
+// on the other rows, on T or on the thread count: threads split keys (scores) and value columns, never a sum.
+#include "attention.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace attention {
+namespace {
+
+constexpr int64_t kLanes = 8;       // float64 lanes of a 512-bit vector
+constexpr int64_t kMaxChunks = 16;  // head dims up to 128
+constexpr int64_t kKeyBlock = 32;   // keys per score task
+constexpr int64_t kColumnChunks = 2;  // 8-double chunks of the head dim per value task
+constexpr int64_t kSerialWork = int64_t(1) << 15;  // multiply-adds below which one thread runs the whole loop
+
+// eight bf16 -> eight float64, exact (a bf16 is the high half of its float)
+__attribute__((target("avx512f"))) inline __m512d widen8(const uint16_t* p) {
+  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(bits, 16)));
+}
+
+// scores[r, s] for the query rows of one kv head (q: [R, dim] float64) against its keys s in [s0, s1)
+__attribute__((target("avx512f"))) void scores_block(const double* q, int64_t R, int64_t rows, const uint16_t* k,
+                                                   int64_t dim, int64_t keys, int64_t s0, int64_t s1,
+                                                   const bool* hidden, double scaling, double* out) {
+  const int64_t chunks = dim / kLanes;
+  __m512d key[kMaxChunks];
+  for (int64_t s = s0; s < s1; ++s) {
+    for (int64_t c = 0; c < chunks; ++c) key[c] = widen8(k + s * dim + c * kLanes);
+    for (int64_t r = 0; r < R; ++r) {
+      const double* qr = q + r * dim;
+      __m512d sum = _mm512_mul_pd(_mm512_loadu_pd(qr), key[0]);
+      for (int64_t c = 1; c < chunks; ++c) sum = _mm512_fmadd_pd(_mm512_loadu_pd(qr + c * kLanes), key[c], sum);
+      const int64_t t = r % rows;  // the query row of task r (exact_attention's [shared * T] layout)
+      out[r * keys + s] = (hidden != nullptr && hidden[t * keys + s]) ? -std::numeric_limits<double>::infinity()
+                                                                       : _mm512_reduce_add_pd(sum) * scaling;
+    }
+  }
+}
+
+// acc[r, columns] = sum over s in order of weights[r, s] * v[s, columns] for chunks [c0, c1) of the head dim
+__attribute__((target("avx512f"))) void values_block(const double* weights, int64_t R, const uint16_t* v,
+                                                   int64_t dim, int64_t keys, int64_t c0, int64_t c1, double* acc) {
+  for (int64_t r = 0; r < R; ++r) std::fill(acc + r * dim + c0 * kLanes, acc + r * dim + c1 * kLanes, 0.0);
+  __m512d value[kMaxChunks];
+  for (int64_t s = 0; s < keys; ++s) {
+    for (int64_t c = c0; c < c1; ++c) value[c - c0] = widen8(v + s * dim + c * kLanes);
+    for (int64_t r = 0; r < R; ++r) {
+      const double w = weights[r * keys + s];
+      if (w == 0) continue;  // a masked key (or an underflowed weight) adds exactly nothing
+      const __m512d weight = _mm512_set1_pd(w);
+      double* a = acc + r * dim;
+      for (int64_t c = c0; c < c1; ++c) {
+        const __m512d product = _mm512_mul_pd(weight, value[c - c0]);
+        _mm512_storeu_pd(a + c * kLanes, _mm512_add_pd(_mm512_loadu_pd(a + c * kLanes), product));
+      }
+    }
+  }
+}
+
+inline float bf16_value(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// runs fn(begin, end) over [0, tasks) on the threads when the loop has enough work, else on this thread
+template <typename F>
+void split(int64_t tasks, int64_t work, const F& fn) {
+  if (work < kSerialWork) {
+    fn(0, tasks);
+  } else {
+    at::parallel_for(0, tasks, 1, fn);
+  }
+}
+
+}  // namespace
+
+bool avx512_takes(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) {
+  static const bool cpu = __builtin_cpu_supports("avx512f");
+  const int64_t dim = query.size(3);
+  return cpu && query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
+         value.scalar_type() == at::kBFloat16 && dim % kLanes == 0 && dim / kLanes <= kMaxChunks;
+}
+
+at::Tensor avx512_rows(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const bool* hidden,
+                       double scaling) {
+  const int64_t heads = query.size(1), rows = query.size(2), dim = query.size(3);
+  const int64_t kv_heads = key.size(1), keys = key.size(2), shared = heads / kv_heads, R = shared * rows;
+  const at::Tensor qc = query.contiguous(), kc = key.contiguous(), vc = value.contiguous();
+  const uint16_t* q_bits = reinterpret_cast<const uint16_t*>(qc.data_ptr());
+  const uint16_t* k = reinterpret_cast<const uint16_t*>(kc.data_ptr());
+  const uint16_t* v = reinterpret_cast<const uint16_t*>(vc.data_ptr());
+  // the query rows of each kv head in exact_attention's layout [kv_heads, shared * T, dim], widened (exact)
+  std::vector<double> q(kv_heads * R * dim);
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t t = 0; t < rows; ++t) {
+      const int64_t kv = h / shared, r = (h % shared) * rows + t;
+      for (int64_t j = 0; j < dim; ++j) q[(kv * R + r) * dim + j] = bf16_value(q_bits[(h * rows + t) * dim + j]);
+    }
+  }
+  const int64_t work = heads * rows * keys * dim;
+  at::Tensor scores = at::empty({kv_heads, R, keys}, query.options().dtype(at::kDouble));
+  double* score_data = scores.data_ptr<double>();
+  const int64_t key_blocks = (keys + kKeyBlock - 1) / kKeyBlock;
+  split(kv_heads * key_blocks, work, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv = task / key_blocks, s0 = (task % key_blocks) * kKeyBlock;
+      scores_block(q.data() + kv * R * dim, R, rows, k + kv * keys * dim, dim, keys, s0,
+                   std::min(keys, s0 + kKeyBlock), hidden, scaling, score_data + kv * R * keys);
+    }
+  });
+  const at::Tensor weights = at::softmax(scores, -1);
+  const double* weight_data = weights.data_ptr<double>();
+  std::vector<double> acc(kv_heads * R * dim);
+  const int64_t chunks = dim / kLanes, column_tasks = (chunks + kColumnChunks - 1) / kColumnChunks;
+  split(kv_heads * column_tasks, work, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv = task / column_tasks, c0 = (task % column_tasks) * kColumnChunks;
+      values_block(weight_data + kv * R * keys, R, v + kv * keys * dim, dim, keys, c0,
+                   std::min(chunks, c0 + kColumnChunks), acc.data() + kv * R * dim);
+    }
+  });
+  at::Tensor out = at::empty({1, rows, heads, dim}, query.options());
+  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t t = 0; t < rows; ++t) {
+      const double* a = acc.data() + ((h / shared) * R + (h % shared) * rows + t) * dim;
+      c10::BFloat16* row = o + (t * heads + h) * dim;
+      for (int64_t j = 0; j < dim; ++j) row[j] = static_cast<c10::BFloat16>(static_cast<float>(a[j]));
+    }
+  }
+  return out;
+}
+
+}  // namespace attention
