@@ -26,8 +26,8 @@ libgomp's waits; --delay skips the model's loading):
         python scripts/profile_step.py --precisions int4 --loop verify --steps 700
     perf report -i /tmp/v.data --stdio --no-children --sort dso,symbol --percent-limit 0.5
 
-usage: python scripts/profile_step.py [--precisions bf16,int8,int4] [--steps 40] [--nodes 16] [--compare-native]
-       [--compare-lowbit] [--batched-steps 1,4,8,16] [--loop step|verify]
+usage: python scripts/profile_step.py [--precisions bf16,int8,int4] [--steps 40] [--nodes 16] [--context N]
+       [--compare-native] [--compare-lowbit] [--batched-steps 1,4,8,16] [--loop step|verify]
 """
 
 from __future__ import annotations
@@ -63,9 +63,15 @@ def chain_tree(nodes: int) -> TreeAttention:
     return build_tree_attention(parents)
 
 
+CONTEXT = 0  # --context: cached positions before each call (0: the prompt's own length)
+
+
 def step_calls(loaded: LoadedModel, nodes: int):
-    """(decode-step fn, verify-tree fn) on a prefilled cache; each restores the cache length."""
+    """(decode-step fn, verify-tree fn) on a prefilled cache of the prompt (repeated up to CONTEXT tokens when that
+    is set); each restores the cache length."""
     ids = loaded.encode(PROMPT)
+    if CONTEXT:
+        ids = (ids * (CONTEXT // len(ids) + 1))[:CONTEXT]
     state, _ = runtime.prefill(loaded, ids)
     tree = chain_tree(nodes)
     drafted = [ids[-1]] * nodes
@@ -218,7 +224,10 @@ def main() -> None:
     parser.add_argument("--compare-lowbit", action="store_true", help="ATen's / the op's low-bit kernels, interleaved")
     parser.add_argument("--batched-steps", default=None, help="e.g. 1,4,8,16,32: decode_steps over B sequences")
     parser.add_argument("--loop", choices=("step", "verify"), help="only run this call --steps times (for perf)")
+    parser.add_argument("--context", type=int, default=0, help="cached positions before a call (default: the prompt)")
     args = parser.parse_args()
+    global CONTEXT
+    CONTEXT = args.context
     native = native_forward.enabled()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}, C++ layers {native}\n")
     if args.loop:

@@ -102,6 +102,29 @@ def test_select_keeps_prefix_and_accepted_tree_path(tiny) -> None:
     close(after_select, full_logits(tiny, PROMPT + accepted + [77])[-1])
 
 
+@pytest.mark.parametrize("path", [[0, 1], [1, 3], []])  # in place (a crop), moved, none
+def test_select_moves_only_what_is_out_of_place(tiny, path) -> None:
+    parents = [-1, 0, -1, 2]
+    tokens = [10, 11, 20, 21]
+    state, _ = runtime.prefill(tiny, PROMPT)
+    n_past = state.length
+    runtime.verify_tree(state, build_tree_attention(parents), tokens)
+    expected = [torch.cat([layer.keys[..., :n_past, :], layer.keys[..., [n_past + i for i in path], :]], -2)
+                for layer in state.cache.layers]  # fmt: skip
+    runtime.select(state, list(range(n_past)) + [n_past + i for i in path])
+    assert state.tokens == PROMPT + [tokens[i] for i in path]
+    for layer, keys in zip(state.cache.layers, expected, strict=True):
+        assert torch.equal(layer.keys, keys)
+
+
+def test_select_rejects_positions_out_of_order_or_range(tiny) -> None:
+    state, _ = runtime.prefill(tiny, PROMPT)
+    for positions in ([1, 0], [0, len(PROMPT)]):
+        with pytest.raises(ValueError, match="ascend"):
+            runtime.select(state, positions)
+    assert state.length == len(PROMPT)
+
+
 def test_hidden_states_shapes_and_embeddings(tiny) -> None:
     state, out = runtime.prefill(tiny, PROMPT, hidden_states=True)
     hidden = out.hidden_states

@@ -214,11 +214,22 @@ def crop(state: DecodeState, length: int) -> None:
     del state.tokens[length:]
 
 
+@torch.inference_mode()  # the cache holds inference tensors, written in place below
 def select(state: DecodeState, positions: list[int]) -> None:
-    """Keep only the cache positions `positions` (e.g. prefix + an accepted tree path), in that order."""
+    """Keep only the cache positions `positions` (ascending, e.g. prefix + an accepted tree path), in that order.
+
+    Positions already in place (the prefix, and a path that follows the tree's first nodes) stay where they are:
+    only the entries after the first moved one are copied, into the cache's own tensors (every forward leaves fresh
+    tensors in the cache, so no other object sees the write), then the cache is cropped."""
+    ascending = all(a < b for a, b in zip(positions, positions[1:], strict=False))
+    if not ascending or (positions and positions[-1] >= state.length):
+        raise ValueError(f"cache positions to keep must ascend below {state.length}: {positions}")
+    in_place = next((i for i, p in enumerate(positions) if p != i), len(positions))
     with section("KV compaction"):
-        index = torch.tensor(positions, dtype=torch.long, device=state.loaded.device)
-        for layer in state.cache.layers:
-            layer.keys = layer.keys.index_select(-2, index)  # [B, heads, T, d]
-            layer.values = layer.values.index_select(-2, index)
+        if in_place < len(positions):
+            index = torch.tensor(positions[in_place:], dtype=torch.long, device=state.loaded.device)
+            for layer in state.cache.layers:  # [B, heads, T, d]
+                layer.keys[..., in_place : len(positions), :] = layer.keys.index_select(-2, index)
+                layer.values[..., in_place : len(positions), :] = layer.values.index_select(-2, index)
+        state.cache.crop(len(positions) - state.length)
     state.tokens[:] = [state.tokens[p] for p in positions]
