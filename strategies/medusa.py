@@ -53,9 +53,7 @@ def run(loaded: LoadedModel, prompt_ids: list[int], params: TreeParams, generato
     if params.heads_path and not is_lab_stem(params.heads_path):  # FasterDecoding's layout (lab.heads.published)
         heads = published_build.cached("medusa", loaded, params.heads_path)
     else:
-        heads = cached_heads(
-            "medusa", loaded, params.heads_path, lambda t, c: MedusaHeads.from_tensors(loaded.lm_head.weight, t, c)
-        )
+        heads = cached_heads("medusa", loaded, params.heads_path, lambda t, c: MedusaHeads.served(loaded, t, c))
     proposer = MedusaProposer(heads, params.tree_nodes)
     return tree_loop(loaded, prompt_ids, proposer, generator, tree_settings(params, "medusa"))
 

@@ -30,9 +30,7 @@ class MTPCParams(HeadTreeParams):
 
 
 def run(loaded: LoadedModel, prompt_ids: list[int], params: MTPCParams, generator: torch.Generator) -> Iterator[Event]:
-    heads = cached_heads(
-        "mtpc", loaded, params.heads_path, lambda t, c: MTPCHeads.from_tensors(loaded.lm_head.weight, t, c)
-    )
+    heads = cached_heads("mtpc", loaded, params.heads_path, lambda t, c: MTPCHeads.served(loaded, t, c))
     temperature = params.temperature if params.mode == "sample" else None
     proposer = MTPCProposer(heads, params.tree_nodes, temperature, loaded.vocab_size)
     return tree_loop(loaded, prompt_ids, proposer, generator, tree_settings(params, "mtpc"))

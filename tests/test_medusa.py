@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lab.engine import native_forward
+from lab.engine.models import wrap_model
+from lab.engine.quant import quantize_model
 from lab.heads.medusa import MedusaHeads, residual_blocks, tune_choices
 from lab.speculative.acceptance import typical_path
 from lab.speculative.draft import Draft, DraftContext, Verified
@@ -19,20 +22,58 @@ from strategies import collect
 from strategies.greedy import GreedyParams
 from strategies.greedy import run as greedy_run
 from strategies.medusa import TreeParams
-from tests.tiny import tiny_loaded_model
+from tests.tiny import ByteTokenizer, tiny_llama, tiny_loaded_model
 
 CHOICES = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]
 
 
-def random_heads(loaded, heads: int = 4, scale: float = 0.05, seed: int = 1) -> MedusaHeads:
+def random_tensors(loaded, heads: int = 4, scale: float = 0.05, seed: int = 1) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
     hidden, vocab = int(loaded.config.hidden_size), loaded.vocab_size
-    tensors = {
+    return {
         "blocks.weight": scale * torch.randn(heads, hidden, hidden),
-        "blocks.bias": torch.zeros(heads, hidden),
-        "vocab": torch.arange(vocab),
+        "blocks.bias": scale * torch.randn(heads, hidden),
+        "vocab": torch.arange(0, vocab, 2),  # a draft vocabulary: every other token
     }
+
+
+def random_heads(loaded, heads: int = 4, scale: float = 0.05, seed: int = 1) -> MedusaHeads:
+    tensors = random_tensors(loaded, heads, scale, seed)
     return MedusaHeads.from_tensors(loaded.lm_head.weight, tensors, {"choices": [list(c) for c in CHOICES]})
+
+
+def low_bit_target(precision: str, seed: int = 0):
+    """A tiny bf16 Llama with its linears and LM head at `precision` (the LM head int8, or Q8_0 at w4a8)."""
+    model = tiny_llama(seed).to(torch.bfloat16)
+    quantize_model(model, precision, torch.bfloat16)
+    return wrap_model(model, ByteTokenizer(), spec=f"tiny-{precision}-{seed}")
+
+
+@pytest.mark.parametrize("precision", ["int4", "w4a8"])
+def test_served_heads_run_on_the_targets_low_bit_kernels_and_stay_lossless(precision: str) -> None:
+    """On a low-bit target the K blocks are one low-bit linear and the logits the target's LM-head rows V_d (the
+    same quantized values); the draft distribution stays close to the float heads', and greedy Medusa still
+    equals greedy at that precision. A bf16 target keeps the float products."""
+    if precision == "w4a8" and not native_forward.build():
+        pytest.skip("w4a8 needs the op's integer products (a C++ compiler)")
+    target = low_bit_target(precision)
+    tensors, config = random_tensors(target, scale=0.2), {"choices": [list(c) for c in CHOICES]}
+    served, reference = (
+        MedusaHeads.served(target, tensors, config),
+        MedusaHeads.from_tensors(target.lm_head.weight, tensors, config),
+    )
+    assert served.low_bit is not None and not any(type(m) is torch.nn.Linear for m in served.low_bit.blocks.modules())
+    rows = served.low_bit.lm_rows
+    assert torch.equal(rows.weight, target.lm_head.weight[tensors["vocab"]])
+    h = torch.randn(64).to(torch.bfloat16)
+    drafted, expected = served.probs(h), reference.probs(h)
+    assert drafted.shape == expected.shape == (4, tensors["vocab"].numel())
+    assert (drafted - expected).abs().max() < 0.05
+    prompt = list(b"hello tree")
+    tokens, _ = tree_tokens(target, prompt, TreeParams(max_new_tokens=30, tree_nodes=9), MedusaProposer(served, 9))
+    assert tokens == greedy_tokens(target, prompt, 30)
+    bf16 = wrap_model(tiny_llama(0).to(torch.bfloat16), ByteTokenizer())
+    assert MedusaHeads.served(bf16, tensors, config).low_bit is None
 
 
 def greedy_tokens(loaded, prompt: list[int], n: int) -> list[int]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lab.engine import native_forward
 from lab.heads.mtpc import Circuit, MTPCHeads, init_tensors
 from lab.speculative.params import tree_settings
 from lab.speculative.proposers.mtpc import MTPCProposer, sampled_chain
@@ -17,18 +18,46 @@ from lab.speculative.tree import tree_loop
 from lab.trace import MixtureRound, TokenEmitted, TreeRound, summarize
 from strategies import collect
 from strategies.medusa import TreeParams
-from tests.test_medusa import CHOICES, assert_round_order, greedy_tokens
+from tests.test_medusa import CHOICES, assert_round_order, greedy_tokens, low_bit_target
 from tests.tiny import tiny_loaded_model
 
 
-def random_circuit(loaded, heads: int = 3, components: int = 3, scale: float = 0.3, seed: int = 0) -> MTPCHeads:
+def circuit_tensors(loaded, heads: int = 3, components: int = 3, scale: float = 0.3, seed: int = 0) -> dict:
     hidden, vocab = int(loaded.config.hidden_size), loaded.vocab_size
     tensors = init_tensors(heads, components, 4, hidden, seed)
     generator = torch.Generator().manual_seed(seed + 1)
     for name in ("blocks.weight", "adapters.up", "mix.weight"):
         tensors[name] = scale * torch.randn(tensors[name].shape, generator=generator)
     tensors["vocab"] = torch.arange(vocab)
+    return tensors
+
+
+def random_circuit(loaded, heads: int = 3, components: int = 3, scale: float = 0.3, seed: int = 0) -> MTPCHeads:
+    tensors = circuit_tensors(loaded, heads, components, scale, seed)
     return MTPCHeads.from_tensors(loaded.lm_head.weight, tensors, {"choices": [list(c) for c in CHOICES]})
+
+
+@pytest.mark.parametrize("precision", ["int4", "w4a8"])
+def test_served_circuit_runs_on_the_targets_low_bit_kernels_and_stays_lossless(precision: str) -> None:
+    """On a low-bit target the leaves are W_lm (u + B s) through the target's LM-head rows: close to the float
+    circuit's W_lm u + (W_lm B) s, and greedy MTPC still equals greedy at that precision."""
+    if precision == "w4a8" and not native_forward.build():
+        pytest.skip("w4a8 needs the op's integer products (a C++ compiler)")
+    target = low_bit_target(precision)
+    tensors, config = circuit_tensors(target), {"choices": [list(c) for c in CHOICES]}
+    served, reference = (
+        MTPCHeads.served(target, tensors, config),
+        MTPCHeads.from_tensors(target.lm_head.weight, tensors, config),
+    )
+    assert served.low_bit is not None
+    h = torch.randn(64).to(torch.bfloat16)
+    (log_pi, logp), (expected_pi, expected) = served.leaves(h), reference.leaves(h)
+    assert torch.allclose(log_pi, expected_pi) and logp.shape == expected.shape
+    assert (logp.exp() - expected.exp()).abs().max() < 0.05
+    params = TreeParams(max_new_tokens=30, tree_nodes=9)
+    prompt = list(b"joint drafts")
+    tokens, _ = _run(target, prompt, params, mtpc_proposer(served, params, target))
+    assert tokens == greedy_tokens(target, prompt, 30)
 
 
 def test_circuit_conditionals_match_the_brute_force_joint() -> None:

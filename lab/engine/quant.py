@@ -577,6 +577,14 @@ def _replacement(linear: nn.Linear, precision: str, dtype: torch.dtype, groups: 
     return Int8Linear(linear.weight, linear.bias, dtype)
 
 
+def quantized_linear(linear: nn.Linear, precision: str, dtype: torch.dtype) -> nn.Module:
+    """`linear` in its low-bit form at `precision` (int4 / w4a8 blocks where the shape allows, else int8; activations
+    in `dtype`)."""
+    if precision not in ("int8", *FOUR_BIT):
+        raise ValueError(f"{precision!r} is not a low-bit precision; choose int8, {', '.join(FOUR_BIT)}")
+    return _replacement(linear, precision, dtype, None)
+
+
 def quantize_linears(module: nn.Module, precision: str, dtype: torch.dtype) -> int:
     """Replace every `nn.Linear` inside `module` (at any depth) by its low-bit form at `precision` (int4 where the
     shape allows, else int8; activations in `dtype`); returns how many were replaced (none for bf16)."""
@@ -586,7 +594,7 @@ def quantize_linears(module: nn.Module, precision: str, dtype: torch.dtype) -> i
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, _replacement(child, precision, dtype, None))
+                setattr(parent, name, quantized_linear(child, precision, dtype))
                 replaced += 1
     return replaced
 

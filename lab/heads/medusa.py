@@ -13,6 +13,10 @@ is a node at depth d whose token is rank i_d of head d, under the node of path (
 `lab.speculative.proposers.medusa`.
 `tune_choices` orders paths by their estimated acceptance probability, prod_j acc_j[i_j] (Medusa's greedy tree
 construction, Sec. 3.3.2 / App. C), so the first N paths of the list are the best N-node tree.
+On a CPU target with low-bit linears (int8 / int4 / w4a8) the heads are served on the target's kernels
+(`serving_path`): the K blocks W_k as one low-bit linear H -> K H and the logits through the rows V_d of the target's
+own low-bit LM head, so a round costs two row-efficient products instead of float32 ones over [K, H, H] and
+[V_d, H]; the draft distribution changes by the weights' rounding, verification (and so the output) does not.
 Not covered: Medusa-2 (joint fine-tuning of the base model), per-head LM-head copies, tree pruning at run time.
 """
 
@@ -22,7 +26,11 @@ import heapq
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from torch.nn import functional as F
+
+from lab.engine.models import LoadedModel
+from lab.engine.quant import Int8Linear, W8A8Linear, quantized_linear
 
 Path = tuple[int, ...]
 
@@ -30,6 +38,41 @@ Path = tuple[int, ...]
 def residual_blocks(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """u_k = h + SiLU(W_k h + b_k) for every head k at once: h [N, H], weight [K, H, H], bias [K, H] -> [N, K, H]."""
     return h[:, None, :] + F.silu(torch.einsum("nh,kgh->nkg", h, weight) + bias)
+
+
+@dataclass
+class LowBitPath:
+    """The heads' two products on the target's low-bit kernels (module docstring; made by `serving_path`)."""
+
+    blocks: nn.Module  # [N, H] -> [N, K * H]: W_k h + b_k of every head, the K matrices joined
+    lm_rows: nn.Module  # [N, H] -> [N, V_d]: the rows V_d of the target's LM head, in its format
+    dtype: torch.dtype  # the activation dtype of both
+
+    def residual_blocks(self, h: torch.Tensor) -> torch.Tensor:
+        """u_k = h + SiLU(W_k h + b_k) (Eq. 1) for every head: h [N, H] -> [N, K, H] float32."""
+        z = self.blocks(h.to(self.dtype)).float().view(h.shape[0], -1, h.shape[-1])
+        return h.float()[:, None, :] + F.silu(z)
+
+    def logits(self, u: torch.Tensor) -> torch.Tensor:
+        """W_lm[V_d] u over the last axis of u [..., H] -> [..., V_d] float32."""
+        return self.lm_rows(u.to(self.dtype)).float()
+
+
+def serving_path(
+    weight: torch.Tensor, bias: torch.Tensor, vocab: torch.Tensor, loaded: LoadedModel
+) -> LowBitPath | None:
+    """The low-bit path for residual blocks (weight [K, H, H], bias [K, H]) over draft vocabulary `vocab`, when the
+    target is a CPU model whose LM head is low-bit (int8 per channel, or Q8_0 blocks at w4a8); else None."""
+    lm_head = loaded.lm_head
+    if loaded.device.type != "cpu" or type(lm_head) not in (Int8Linear, W8A8Linear):
+        return None
+    heads, hidden = int(weight.shape[0]), int(weight.shape[-1])
+    joined = nn.Linear(hidden, heads * hidden)
+    with torch.no_grad():  # nn.Linear's weight is [out, in]: row k * H + g is W_k[g]
+        joined.weight.copy_(weight.reshape(heads * hidden, hidden))
+        joined.bias.copy_(bias.reshape(heads * hidden))
+    blocks = quantized_linear(joined, loaded.precision, loaded.dtype)
+    return LowBitPath(blocks, type(lm_head).rows(lm_head, vocab), loaded.dtype)
 
 
 @dataclass
@@ -41,6 +84,7 @@ class MedusaHeads:
     vocab: torch.Tensor  # [V_d] long, draft-vocabulary id -> model token id
     lm_weight: torch.Tensor  # [V_d, H] rows of the frozen LM head
     choices: list[Path] = field(default_factory=list)
+    low_bit: LowBitPath | None = None  # the products on the target's low-bit kernels (`serving_path`)
 
     @property
     def num_heads(self) -> int:
@@ -53,9 +97,18 @@ class MedusaHeads:
         choices = [tuple(int(i) for i in path) for path in config.get("choices", [])]
         return cls(tensors["blocks.weight"].float(), tensors["blocks.bias"].float(), vocab, lm_weight, choices)
 
+    @classmethod
+    def served(cls, loaded: LoadedModel, tensors: dict, config: dict) -> MedusaHeads:
+        """The heads as the strategy runs them on `loaded`: on its low-bit kernels where it has them."""
+        heads = cls.from_tensors(loaded.lm_head.weight, tensors, config)
+        heads.low_bit = serving_path(heads.weight, heads.bias, heads.vocab, loaded)
+        return heads
+
     @torch.inference_mode()
     def probs(self, h: torch.Tensor) -> torch.Tensor:
         """p^(k) over V_d for each head: h [H] -> [K, V_d]."""
+        if self.low_bit is not None:
+            return torch.softmax(self.low_bit.logits(self.low_bit.residual_blocks(h[None])[0]), dim=-1)
         u = residual_blocks(h.float()[None], self.weight, self.bias)[0]  # [K, H]
         return torch.softmax(u @ self.lm_weight.T, dim=-1)  # [K, V_d]
 

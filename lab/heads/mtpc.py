@@ -15,16 +15,22 @@ sampling draws a chain from these conditionals (its q rows are exact, so Leviath
 Deliberate differences from the paper: the shared frozen LM head restricted to V_d (as for Medusa here); low-rank
 per-component adapters instead of separate per-component heads; components also cover the already-known next
 token (position 0) to condition the mixture on it. Not covered: HMM-style circuits, fine-tuning the base model.
+On a CPU target with low-bit linears the circuit's leaves are served on the target's kernels, as Medusa's heads
+(`lab.heads.medusa.serving_path`): the blocks as one low-bit linear, and the logits of every (k, z) as the target's
+low-bit LM-head rows applied once to u_k + B_kz SiLU(A_kz u_k) for all (K + 1) r leaves (the same W_lm(u + B s) as
+W_lm u + (W_lm B) s, rounded otherwise; drafting only, verification is unchanged).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch.nn import functional as F
 
-from lab.heads.medusa import Path, residual_blocks
+from lab.engine.models import LoadedModel
+from lab.heads.medusa import LowBitPath, Path, residual_blocks, serving_path
 
 
 def mtpc_logits(h: torch.Tensor, t: dict[str, torch.Tensor], lm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,12 +67,18 @@ class MTPCHeads:
     vocab: torch.Tensor  # [V_d]
     lm_weight: torch.Tensor  # [V_d, H]
     choices: list[Path] = field(default_factory=list)
+    low_bit: LowBitPath | None = None  # the products on the target's low-bit kernels (module docstring)
 
     def __post_init__(self) -> None:
         self.remap = {int(v): i for i, v in enumerate(self.vocab.tolist())}
-        with torch.inference_mode():  # (W_lm B_kz)^T once, so a round costs one [rho, V_d] product per component
+
+    @cached_property
+    def corrections(self) -> torch.Tensor:
+        """(W_lm B_kz)^T [K + 1, r, rho, V_d], made once, so a float round costs one [rho, V_d] product per
+        component."""
+        with torch.inference_mode():
             up = self.tensors["adapters.up"]  # [K + 1, r, H, rho]
-            self.corrections = (up.transpose(-1, -2) @ self.lm_weight.T).contiguous()  # [K + 1, r, rho, V_d]
+            return (up.transpose(-1, -2) @ self.lm_weight.T).contiguous()
 
     @property
     def num_heads(self) -> int:
@@ -84,13 +96,29 @@ class MTPCHeads:
         choices = [tuple(int(i) for i in path) for path in config.get("choices", [])]
         return cls(floats, vocab, lm_weight, choices)
 
+    @classmethod
+    def served(cls, loaded: LoadedModel, tensors: dict, config: dict) -> MTPCHeads:
+        """The circuit as the strategy runs it on `loaded`: on its low-bit kernels where it has them."""
+        heads = cls.from_tensors(loaded.lm_head.weight, tensors, config)
+        heads.low_bit = serving_path(heads.tensors["blocks.weight"], heads.tensors["blocks.bias"], heads.vocab, loaded)
+        return heads
+
     @torch.inference_mode()
     def leaves(self, h: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(log pi [r], log p_{k,z} [K + 1, r, V_d]) at hidden state h [H]; logits scaled by 1 / temperature."""
-        t, h = self.tensors, h.float()
-        u = torch.cat([h[None], residual_blocks(h[None], t["blocks.weight"], t["blocks.bias"])[0]])  # [K + 1, H]
+        t, low_bit = self.tensors, self.low_bit
+        blocks = (
+            low_bit.residual_blocks(h[None])
+            if low_bit
+            else residual_blocks(h.float()[None], t["blocks.weight"], t["blocks.bias"])
+        )
+        h = h.float()
+        u = torch.cat([h[None], blocks[0]])  # [K + 1, H]
         s = F.silu(torch.einsum("kh,kzrh->kzr", u, t["adapters.down"]))  # [K + 1, r, rho]
-        logits = (u @ self.lm_weight.T)[:, None, :] + (s[:, :, None, :] @ self.corrections)[:, :, 0, :]
+        if low_bit is not None:  # W_lm (u_k + B_kz s_kz) for every leaf in one product
+            logits = low_bit.logits(u[:, None, :] + torch.einsum("kzr,kzhr->kzh", s, t["adapters.up"]))
+        else:
+            logits = (u @ self.lm_weight.T)[:, None, :] + (s[:, :, None, :] @ self.corrections)[:, :, 0, :]
         log_pi = torch.log_softmax(t["mix.weight"] @ h + t["mix.bias"], dim=-1)  # [r]
         return log_pi, torch.log_softmax(logits / temperature, dim=-1)  # [K + 1, r, V_d]
 
