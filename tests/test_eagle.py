@@ -127,6 +127,29 @@ def test_grow_tree_expands_the_best_frontier_and_rerank_keeps_a_tree() -> None:
         assert all(c.scores[i] <= threshold for i in range(len(c.tokens)) if i not in kept)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_expanding_only_what_can_be_kept_keeps_the_same_tree(seed: int) -> None:
+    """grow_tree with `keep` (what the proposer passes) drafts fewer candidates, and the rerank keeps the same
+    tokens in the same tree as after the full EAGLE-2 expansion, for every tree size."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = torch.arange(40)
+    rows = torch.log_softmax(3 * torch.randn(64, 40, generator=generator), dim=-1)
+
+    def grown(keep, total, depth):
+        def expand(c, frontier):  # children's log q: a fixed row per (parent token, depth)
+            return torch.stack([rows[(c.tokens[i] + 7 * c.depths[i]) % 64] for i in frontier])
+
+        c = grow_tree(rows[63], expand, vocab, branch=6, depth=depth, eos=(5,), keep=keep)
+        kept = rerank(c, total)
+        return c, [(c.tokens[i], c.depths[i], c.tokens[c.parents[i]] if c.parents[i] >= 0 else -1) for i in kept]
+
+    for depth in (1, 2, 3, 4):
+        for total in (1, 2, 4, 8, 16, 40):
+            full, expected = grown(None, total, depth)
+            pruned, kept = grown(total, total, depth)
+            assert kept == expected and len(pruned.tokens) <= len(full.tokens)
+
+
 # --- training and the decode loop on a tiny model ---------------------------------------------------------
 
 

@@ -7,7 +7,10 @@ q = softmax(W_lm[V_d] f_hat) are depth 0; at each further depth the `branch` fro
 cumulative log-probability c(x) = sum of log q along the path (the draft's confidence, which EAGLE-2 shows
 approximates the acceptance rate) are expanded at once (one head forward with the tree mask), each proposing its
 top-`branch` children. Reranking: after `depth` levels the best `total_tokens` candidates by c(x) are kept (a
-child never outscores its parent, so the kept set is a tree). The head's cache drops its tree entries
+child never outscores its parent, so the kept set is a tree). Since a kept node's parent and its higher-scored
+siblings and level-mates are kept too, expansion drafts only what can survive the rerank: at most
+`total_tokens` - 1 frontier nodes per level and as many children of each (the kept tree is the one the full
+expansion gives; the round's EagleDraft lists only these candidates). The head's cache drops its tree entries
 (`EagleCache.rollback`) and re-reads the accepted path with real features next round, as EAGLE's reference does.
 Candidates are deterministic (top-k): q is None and the sibling rule keeps sampling lossless.
 Deliberate differences: EOS nodes are not expanded; the head scores its draft vocabulary V_d only.
@@ -75,20 +78,30 @@ def grow_tree(
     branch: int,
     depth: int,
     eos: tuple[int, ...],
+    keep: int | None = None,
 ) -> Candidates:
-    """EAGLE-2 expansion: top-`branch` at depth 0, then `depth - 1` times expand the best `branch` frontier nodes."""
+    """EAGLE-2 expansion: top-`branch` at depth 0, then `depth - 1` times expand the best `branch` frontier nodes.
+
+    With `keep` (the rerank's total_tokens), only candidates that can be among the `keep` best are drafted: a node
+    at depth d is kept only with its d ancestors and every level-mate and sibling that outscores it, so depth 0
+    takes at most `keep` children, each further level at most `keep` - 1 frontier nodes with as many children,
+    and levels stop where a child would need more ancestors than `keep` allows."""
+    width = branch if keep is None else min(branch, keep)
     c = Candidates()
-    _add_children(c, first_logq[None], [-1], vocab, branch)
+    _add_children(c, first_logq[None], [-1], vocab, width)
     level = list(range(len(c.tokens)))
-    for _ in range(depth - 1):
+    for level_depth in range(depth - 1):
+        if keep is not None and level_depth + 2 > keep:  # a child here sits below level_depth + 1 ancestors
+            break
+        width = branch if keep is None else min(branch, keep - 1)
         open_nodes = [i for i in level if c.tokens[i] not in eos]
-        frontier = sorted(open_nodes, key=lambda i: (-c.scores[i], i))[:branch]
+        frontier = sorted(open_nodes, key=lambda i: (-c.scores[i], i))[:width]
         if not frontier:
             break
         for node in frontier:
             c.expanded[node] = True
         first_child = len(c.tokens)
-        _add_children(c, expand(c, frontier), frontier, vocab, branch)
+        _add_children(c, expand(c, frontier), frontier, vocab, width)
         level = list(range(first_child, len(c.tokens)))
     return c
 
@@ -160,7 +173,7 @@ class EagleProposer:
             return self.head.logits(out).float().log_softmax(-1)  # [n, V_d]
 
         first = self.head.logits(f_hat).float().log_softmax(-1)
-        return grow_tree(first, expand, self.head.vocab, self.shape.branch, depth, eos)
+        return grow_tree(first, expand, self.head.vocab, self.shape.branch, depth, eos, self.shape.total_tokens)
 
     def draft_event(self, context: DraftContext, c: Candidates, kept: list[int], forwards: int, seconds: float):
         """The EagleDraft of a round: every candidate and where the rerank cut fell."""
