@@ -54,24 +54,44 @@ __attribute__((target("avx512f"))) void scores_block(const double* q, int64_t R,
   }
 }
 
-// acc[r, columns] = sum over s in order of weights[r, s] * v[s, columns] for chunks [c0, c1) of the head dim
-__attribute__((target("avx512f"))) void values_block(const double* weights, int64_t R, const uint16_t* v,
-                                                   int64_t dim, int64_t keys, int64_t c0, int64_t c1, double* acc) {
-  for (int64_t r = 0; r < R; ++r) std::fill(acc + r * dim + c0 * kLanes, acc + r * dim + c1 * kLanes, 0.0);
-  __m512d value[kMaxChunks];
+// acc[r, columns] = sum over s in order of weights[r, s] * v[s, columns] for chunks [c0, c0 + C) of the head dim, for
+// the rows [r0, r0 + RB): the accumulators stay in registers and each value is widened once per block of rows
+template <int RB, int C>
+__attribute__((target("avx512f"))) void values_rows(const double* weights, int64_t r0, const double* widened,
+                                                  int64_t keys, double* acc, int64_t dim, int64_t c0) {
+  __m512d sum[RB][C];
+  for (int r = 0; r < RB; ++r) {
+    for (int c = 0; c < C; ++c) sum[r][c] = _mm512_setzero_pd();
+  }
   for (int64_t s = 0; s < keys; ++s) {
-    for (int64_t c = c0; c < c1; ++c) value[c - c0] = widen8(v + s * dim + c * kLanes);
-    for (int64_t r = 0; r < R; ++r) {
-      const double w = weights[r * keys + s];
+    const double* value = widened + s * C * kLanes;
+    for (int r = 0; r < RB; ++r) {
+      const double w = weights[(r0 + r) * keys + s];
       if (w == 0) continue;  // a masked key (or an underflowed weight) adds exactly nothing
       const __m512d weight = _mm512_set1_pd(w);
-      double* a = acc + r * dim;
-      for (int64_t c = c0; c < c1; ++c) {
-        const __m512d product = _mm512_mul_pd(weight, value[c - c0]);
-        _mm512_storeu_pd(a + c * kLanes, _mm512_add_pd(_mm512_loadu_pd(a + c * kLanes), product));
+      for (int c = 0; c < C; ++c) {
+        sum[r][c] = _mm512_add_pd(sum[r][c], _mm512_mul_pd(weight, _mm512_loadu_pd(value + c * kLanes)));
       }
     }
   }
+  for (int r = 0; r < RB; ++r) {
+    for (int c = 0; c < C; ++c) _mm512_storeu_pd(acc + (r0 + r) * dim + (c0 + c) * kLanes, sum[r][c]);
+  }
+}
+
+// every row's weighted sum of values for chunks [c0, c0 + C) of the head dim (the values widened once, then the
+// rows in blocks of four)
+template <int C>
+__attribute__((target("avx512f"))) void values_block(const double* weights, int64_t R, const uint16_t* v,
+                                                   int64_t dim, int64_t keys, int64_t c0, double* acc) {
+  thread_local std::vector<double> widened;
+  widened.resize(keys * C * kLanes);
+  for (int64_t s = 0; s < keys; ++s) {
+    for (int c = 0; c < C; ++c) _mm512_storeu_pd(widened.data() + (s * C + c) * kLanes, widen8(v + s * dim + (c0 + c) * kLanes));
+  }
+  int64_t r0 = 0;
+  for (; r0 + 4 <= R; r0 += 4) values_rows<4, C>(weights, r0, widened.data(), keys, acc, dim, c0);
+  for (; r0 < R; ++r0) values_rows<1, C>(weights, r0, widened.data(), keys, acc, dim, c0);
 }
 
 inline float bf16_value(uint16_t bits) {
@@ -134,8 +154,13 @@ at::Tensor avx512_rows(const at::Tensor& query, const at::Tensor& key, const at:
   split(kv_heads * column_tasks, work, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t kv = task / column_tasks, c0 = (task % column_tasks) * kColumnChunks;
-      values_block(weight_data + kv * R * keys, R, v + kv * keys * dim, dim, keys, c0,
-                   std::min(chunks, c0 + kColumnChunks), acc.data() + kv * R * dim);
+      const double* weights = weight_data + kv * R * keys;
+      double* rows_acc = acc.data() + kv * R * dim;
+      if (c0 + kColumnChunks <= chunks) {
+        values_block<kColumnChunks>(weights, R, v + kv * keys * dim, dim, keys, c0, rows_acc);
+      } else {
+        values_block<1>(weights, R, v + kv * keys * dim, dim, keys, c0, rows_acc);
+      }
     }
   });
   at::Tensor out = at::empty({1, rows, heads, dim}, query.options());
