@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from lab.app.builtin_prompts import BUILTIN_PROMPTS
 from lab.engine.models import wrap_model
@@ -93,6 +94,31 @@ def test_tree_step_equals_running_each_path_as_a_chain(tiny) -> None:
     fresh = EagleCache(head)
     fresh.extend(features, [5, 6, 7, 8, 9], 3)
     torch.testing.assert_close(cache.extend(out2, [20], 8), fresh.extend(out2, [20], 8), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drafting_runs_the_heads_layer_without_module_calls_with_the_same_bits(kind: str, dtype) -> None:
+    """At inference with a cache the head's layer runs lab.engine.lean_forward's ops (joined q / k / v and gate /
+    up, no module dispatch): the same outputs, bit for bit, as the module calls training runs."""
+    model = tiny_llama(2, layers=8).to(dtype)
+    target = wrap_model(model, ByteTokenizer())
+    torch.manual_seed(3)
+    if kind == "eagle1":
+        head, width = build_head(target, torch.arange(256)), 64
+    else:
+        head = build_eagle3(head_config(model.config, 256), model.get_input_embeddings()).to(dtype).eval()
+        width = head.fc.in_features
+    features = torch.randn(1, 6, width).to(dtype)
+    tokens, positions = torch.randint(0, 256, (1, 6)), torch.arange(3, 9)[None]
+    outputs = []
+    for training in (False, True):  # lean drafting, then the module path (training mode, dropout 0)
+        head.train(training)
+        cache = DynamicCache(config=head.config)
+        with torch.no_grad():
+            first = head(features[:, :4], tokens[:, :4], positions[:, :4], cache=cache)
+            outputs.append(torch.cat([first, head(features[:, 4:], tokens[:, 4:], positions[:, 4:], cache=cache)], 1))
+    assert torch.equal(outputs[0], outputs[1])
 
 
 def test_grow_tree_expands_the_best_frontier_and_rerank_keeps_a_tree() -> None:

@@ -93,8 +93,14 @@ def _rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (states * cos) + (modeling_llama.rotate_half(states) * sin)
 
 
-def _attention(attn: LlamaAttention, hidden, position_embeddings, mask, cache, interface):
-    """`LlamaAttention.forward` at inference: projections, rotary embedding, cache update, attention, o_proj."""
+def attention_interface(config):
+    """The attention function `LlamaAttention.forward` calls for this config."""
+    return ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, modeling_llama.eager_attention_forward)
+
+
+def attention_block(attn: LlamaAttention, hidden, position_embeddings, mask, cache, interface):
+    """`LlamaAttention.forward` at inference: projections, rotary embedding, cache update, attention, o_proj (also
+    the attention of the draft heads' layers, `lab.heads`)."""
     input_shape = hidden.shape[:-1]
     projections = joined_linears(attn, ("q_proj", "k_proj", "v_proj"))
     heads = projections.sizes[0] // attn.head_dim
@@ -107,11 +113,18 @@ def _attention(attn: LlamaAttention, hidden, position_embeddings, mask, cache, i
     return attn.o_proj.forward(out.reshape(*input_shape, -1).contiguous())
 
 
-def _mlp(mlp: LlamaMLP, hidden: torch.Tensor) -> torch.Tensor:
+def mlp_block(mlp: LlamaMLP, hidden: torch.Tensor) -> torch.Tensor:
     """`LlamaMLP.forward`: down(act(gate(x)) * up(x)), gate and up as one product."""
     projections = joined_linears(mlp, ("gate_proj", "up_proj"))
     gate, up = projections(hidden).split(projections.sizes, dim=-1)
     return mlp.down_proj.forward(mlp.act_fn(gate) * up)
+
+
+def layer_forward(layer: LlamaDecoderLayer, hidden, position_embeddings, mask, cache, interface) -> torch.Tensor:
+    """`LlamaDecoderLayer.forward` at inference (one layer of the loop below; also an EAGLE head's layer)."""
+    normed = layer.input_layernorm.forward(hidden)
+    hidden = hidden + attention_block(layer.self_attn, normed, position_embeddings, mask, cache, interface)
+    return hidden + mlp_block(layer.mlp, layer.post_attention_layernorm.forward(hidden))
 
 
 @torch.inference_mode()
@@ -142,8 +155,7 @@ def lean_forward(
         config=config, inputs_embeds=embeds, attention_mask=attention_mask, cache=cache, position_ids=position_ids
     )
     position_embeddings = decoder.rotary_emb.forward(embeds, position_ids=position_ids)
-    eager = modeling_llama.eager_attention_forward
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)
+    interface = attention_interface(config)
     from_op = decoder_layers(model, embeds, cache, position_embeddings, mask, output_hidden_states) if native else None
     if from_op is not None:  # the same ops from C++ (lab.engine.native_forward)
         hidden, layer_outputs = from_op
@@ -152,9 +164,7 @@ def lean_forward(
         hidden = embeds
         recorded = [embeds] if output_hidden_states else None
         for layer in decoder.layers[: config.num_hidden_layers]:
-            normed = layer.input_layernorm.forward(hidden)
-            hidden = hidden + _attention(layer.self_attn, normed, position_embeddings, mask, cache, interface)
-            hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm.forward(hidden))
+            hidden = layer_forward(layer, hidden, position_embeddings, mask, cache, interface)
             if recorded is not None:
                 recorded.append(hidden)
         hidden = decoder.norm.forward(hidden)

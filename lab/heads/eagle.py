@@ -35,7 +35,9 @@ import copy
 import torch
 from torch import nn
 from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+from lab.engine.lean_forward import attention_interface, layer_forward
 from lab.engine.models import LoadedModel
 from lab.engine.quant import Int8Linear, W8A8Linear, quantize_linears, quantized_head
 from lab.heads.eagle3 import Eagle3Head
@@ -94,6 +96,10 @@ class EagleHead(nn.Module):
         rotary = self._target["rotary"](x, positions)
         if mask is None and cache is None and x.shape[1] > 1:
             mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()[None, None]
+        if cache is not None and not self.training and type(self.layer) is LlamaDecoderLayer:  # drafting: the
+            # same ops as the module call, without its dispatch (lab.engine.lean_forward; other targets' layer classes
+            # keep their own forward)
+            return layer_forward(self.layer, x, rotary, mask, cache, attention_interface(self.config))
         out = self.layer(
             x, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None,
             position_embeddings=rotary,

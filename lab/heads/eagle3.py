@@ -39,6 +39,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from lab.engine.lean_forward import attention_block, attention_interface, mlp_block
+
 KIND = "eagle3"
 FLAGS = ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm")
 
@@ -122,6 +124,10 @@ class Eagle3Layer(nn.Module):
         if self.norm_before_residual:  # speculators' option: the residual is the normalised g
             residual = hidden
         attn_in = torch.cat([self.input_layernorm(embeds), hidden], dim=-1)  # [B, T, 2H]
+        if cache is not None and not self.training:  # drafting: the same ops without the modules' dispatch
+            interface = attention_interface(self.self_attn.config)
+            u = residual + attention_block(self.self_attn, attn_in, rotary, mask, cache, interface)
+            return u + mlp_block(self.mlp, self.post_attention_layernorm.forward(u))
         attn, _ = self.self_attn(attn_in, position_embeddings=rotary, attention_mask=mask, cache=cache)
         u = residual + attn
         return u + self.mlp(self.post_attention_layernorm(u))
