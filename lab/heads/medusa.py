@@ -77,7 +77,8 @@ def serving_path(
 
 @dataclass
 class MedusaHeads:
-    """Trained Medusa heads bound to a base model's LM-head rows V_d (float32, inference only)."""
+    """Trained Medusa heads bound to a base model's LM-head rows V_d (inference only): float32 products, or the
+    target's low-bit kernels where `low_bit` is set (`served`)."""
 
     weight: torch.Tensor  # [K, H, H]
     bias: torch.Tensor  # [K, H]

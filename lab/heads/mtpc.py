@@ -61,7 +61,8 @@ def init_tensors(heads: int, components: int, rank: int, hidden: int, seed: int 
 
 @dataclass
 class MTPCHeads:
-    """A trained circuit bound to the base model's LM-head rows V_d (float32, inference only)."""
+    """A trained circuit bound to the base model's LM-head rows V_d (inference only): float32 products, or the
+    target's low-bit kernels where `low_bit` is set (`served`)."""
 
     tensors: dict[str, torch.Tensor]
     vocab: torch.Tensor  # [V_d]
