@@ -11,12 +11,12 @@
 // of its query rows (the heads that share it times the T rows) instead of once per row. A row's numbers do not depend
 // on the other rows, on T or on the thread count: threads split keys (scores) and value columns, never a sum.
 #include "attention.h"
+#include "lowbit_common.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -94,13 +94,6 @@ __attribute__((target("avx512f"))) void values_block(const double* weights, int6
   for (; r0 < R; ++r0) values_rows<1, C>(weights, r0, widened.data(), keys, acc, dim, c0);
 }
 
-inline float bf16_value(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &wide, sizeof(out));
-  return out;
-}
-
 // runs fn(begin, end) over [0, tasks) on the threads when the loop has enough work, else on this thread
 template <typename F>
 void split(int64_t tasks, int64_t work, const F& fn) {
@@ -133,7 +126,7 @@ at::Tensor avx512_rows(const at::Tensor& query, const at::Tensor& key, const at:
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t t = 0; t < rows; ++t) {
       const int64_t kv = h / shared, r = (h % shared) * rows + t;
-      for (int64_t j = 0; j < dim; ++j) q[(kv * R + r) * dim + j] = bf16_value(q_bits[(h * rows + t) * dim + j]);
+      for (int64_t j = 0; j < dim; ++j) q[(kv * R + r) * dim + j] = lowbit::bf16_value(q_bits[(h * rows + t) * dim + j]);
     }
   }
   const int64_t work = heads * rows * keys * dim;
