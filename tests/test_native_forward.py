@@ -5,6 +5,7 @@ loop."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -157,19 +158,22 @@ def test_without_the_op_forwards_take_the_python_loop(monkeypatch, op_calls) -> 
     assert op_calls == []
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "cache view"])
 @pytest.mark.parametrize("variant", ["best", "portable"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_attention_loop_equals_exact_attention(dtype, variant) -> None:
+def test_the_attention_loop_equals_exact_attention(dtype, variant, layout) -> None:
     """Scores are exact in float64, so the loop and exact_attention's batched products round to the same values
     (module docstrings); masked keys, grouped heads, many rows and keys. "best" is the AVX-512 loop for bf16 on a
-    CPU that has it (lab/engine/native/attention_avx512.cpp), "portable" the loop every CPU runs."""
+    CPU that has it (lab/engine/native/attention_avx512.cpp), "portable" the loop every CPU runs; "cache view": keys
+    and values as the op's caches hold them, the first positions of a longer buffer (heads further apart)."""
     torch.manual_seed(0)
     tree = build_tree_attention([-1, 0, 0, 1, 1, 2, 3, 3])
     code = {"best": -1, "portable": 0}[variant]
     for rows, past, mask in [(1, 200, None), (3, 50, "causal"), (8, 100, "tree"), (1, 5, None), (2, 30, "causal")]:
         keys = past + rows
         q = torch.randn(1, 9, rows, 64).to(dtype)
-        k, v = torch.randn(1, 3, keys, 64).to(dtype), torch.randn(1, 3, keys, 64).to(dtype)
+        room = 0 if layout == "contiguous" else 37
+        k, v = (torch.randn(1, 3, keys + room, 64).to(dtype)[:, :, :keys] for _ in range(2))
         attention_mask = tree.attention_mask(past) if mask == "tree" else None
         hidden = _hidden_keys(attention_mask, rows, keys) if mask else None  # [rows, keys], True: not seen
         expected = exact_attention(q, k, v, attention_mask, 0.125)
@@ -209,6 +213,51 @@ def test_the_norms_sum_is_atens_float_sum() -> None:
         for scale in (1e-3, 1.0, 1e3):
             x = (torch.randn(5, features, generator=generator) * scale).pow(2)
             assert torch.equal(torch.ops.decoding_lab.row_sums(x, lanes), x.sum(-1))
+
+
+def _cache_script(loaded, native: bool, monkeypatch) -> tuple[list, list]:
+    """Logits of a run that steps, crops back, verifies a chain and steps again on one cache, and of a deep copy of
+    the cache stepped on its own; the final caches of both."""
+    monkeypatch.setenv(native_forward.SWITCH, "1" if native else "0")
+    logits = []
+    state, out = runtime.prefill(loaded, [3, 9, 27, 81, 5])
+    logits.append(out.logits)
+    for token in (7, 8, 9, 10):
+        logits.append(runtime.decode_step(state, token).logits)
+    runtime.crop(state, state.length - 3)  # the next forwards write over cropped positions
+    with rows_invariant(loaded):
+        logits.append(runtime.verify(state, [21, 22]).logits)
+    copied = runtime.DecodeState(loaded, copy.deepcopy(state.cache))
+    for token in (31, 32):
+        logits.append(runtime.decode_step(state, token).logits)
+    for token in (41, 42, 43):  # the copy's own positions, where the original wrote 31, 32
+        logits.append(runtime.decode_step(copied, token).logits)
+    return logits, [state.cache, copied.cache]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "w4a8"])
+def test_the_cache_grows_in_place(precision, monkeypatch, op_calls) -> None:
+    """The op writes a forward's keys and values after the cached ones in the cache's own buffer when it has room
+    (decoder_layers.cpp's extend_cache): the same logits and caches as the Python loop's concatenation, through
+    crops (new positions over cropped ones) and a deep copy of the cache stepped on its own."""
+    model = tiny_llama(5, layers=3, hidden=128).to(torch.bfloat16)
+    quantize_model(model, precision, torch.bfloat16)
+    loaded = wrap_model(model, ByteTokenizer())
+    native, native_caches = _cache_script(loaded, True, monkeypatch)
+    assert op_calls == [1, 1, 1, 1, 2, 1, 1, 1, 1, 1]
+    python, python_caches = _cache_script(loaded, False, monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(native, python, strict=True))
+    for native_cache, python_cache in zip(native_caches, python_caches, strict=True):
+        for a, b in zip(native_cache.layers, python_cache.layers, strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    # one buffer per layer and tensor, extended in place: a step leaves its storage where it was
+    state, _ = runtime.prefill(loaded, [3, 9, 27])
+    monkeypatch.setenv(native_forward.SWITCH, "1")
+    runtime.decode_step(state, 4)
+    first = [layer.keys.data_ptr() for layer in state.cache.layers]
+    assert not state.cache.layers[0].keys.is_contiguous()  # a view of the first positions of a longer buffer
+    runtime.decode_step(state, 5)
+    assert [layer.keys.data_ptr() for layer in state.cache.layers] == first
 
 
 def _steps_alone_and_together(loaded, prompts: list[list[int]], steps: int) -> tuple[list, list]:

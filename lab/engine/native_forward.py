@@ -19,6 +19,10 @@ odds `exact_attention`'s docstring gives; none seen in the tests). Each row's lo
 count, so a verify row equals the decode step of its path bit for bit. Logits, hidden states and cache are tested
 equal to the Python loop's and to `model(...)`'s on tiny models at every precision and on the embedded model. The
 embedding, the causal mask, the rotary table, the hidden-key mask and the LM head stay in Python, once per forward.
+The op extends each layer's cache in place: a cache it made is a view of the first positions of a longer buffer,
+and a forward writes its keys and values after them (a new buffer, with room for more, only when it is full), so a
+step no longer copies the whole cache of every layer; this relies on `lab.engine.runtime`'s rule that a cache's
+tensors belong to that cache alone.
 
 The op is compiled from `lab/engine/native/decoder_layers.cpp` and the low-bit kernels (`SOURCES`) with
 `torch.utils.cpp_extension` (a C++ compiler and ninja; about a minute on two cores, cached in `build_directory()`:

@@ -8,6 +8,9 @@ Every forward runs through `model_forward`, on the path `lab.engine.forward_path
 models through `lab.engine.lean_forward` (the same numbers as `model(...)`, less per-module overhead; on a CPU the
 decode steps' and verify forwards' layers as one C++ call, `lab.engine.native_forward`), other models through
 `model(...)`.
+A cache's tensors belong to that cache alone: callers read them but never keep one across a forward or a crop, and a
+copy of a cache is a deep copy (`copy.deepcopy`), because the positions past a cache's length are free for its next
+forward to write (the C++ op extends caches in place, `lab.engine.native_forward`; `select` compacts in place).
 Not covered: padding and masking a batch of sequences (`forward_rows` runs one its caller built: CFG's two
 branches), paged or static caches.
 """

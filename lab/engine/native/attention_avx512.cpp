@@ -117,7 +117,8 @@ at::Tensor avx512_rows(const at::Tensor& query, const at::Tensor& key, const at:
                        double scaling) {
   const int64_t heads = query.size(1), rows = query.size(2), dim = query.size(3);
   const int64_t kv_heads = key.size(1), keys = key.size(2), shared = heads / kv_heads, R = shared * rows;
-  const at::Tensor qc = query.contiguous(), kc = key.contiguous(), vc = value.contiguous();
+  const at::Tensor qc = query.contiguous(), kc = rows_contiguous(key), vc = rows_contiguous(value);
+  const int64_t k_head = kc.stride(1), v_head = vc.stride(1);  // a cache's heads lie capacity rows apart
   const uint16_t* q_bits = reinterpret_cast<const uint16_t*>(qc.data_ptr());
   const uint16_t* k = reinterpret_cast<const uint16_t*>(kc.data_ptr());
   const uint16_t* v = reinterpret_cast<const uint16_t*>(vc.data_ptr());
@@ -136,7 +137,7 @@ at::Tensor avx512_rows(const at::Tensor& query, const at::Tensor& key, const at:
   split(kv_heads * key_blocks, work, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t kv = task / key_blocks, s0 = (task % key_blocks) * kKeyBlock;
-      scores_block(q.data() + kv * R * dim, R, rows, k + kv * keys * dim, dim, keys, s0,
+      scores_block(q.data() + kv * R * dim, R, rows, k + kv * k_head, dim, keys, s0,
                    std::min(keys, s0 + kKeyBlock), hidden, scaling, score_data + kv * R * keys);
     }
   });
@@ -150,9 +151,9 @@ at::Tensor avx512_rows(const at::Tensor& query, const at::Tensor& key, const at:
       const double* weights = weight_data + kv * R * keys;
       double* rows_acc = acc.data() + kv * R * dim;
       if (c0 + kColumnChunks <= chunks) {
-        values_block<kColumnChunks>(weights, R, v + kv * keys * dim, dim, keys, c0, rows_acc);
+        values_block<kColumnChunks>(weights, R, v + kv * v_head, dim, keys, c0, rows_acc);
       } else {
-        values_block<1>(weights, R, v + kv * keys * dim, dim, keys, c0, rows_acc);
+        values_block<1>(weights, R, v + kv * v_head, dim, keys, c0, rows_acc);
       }
     }
   });

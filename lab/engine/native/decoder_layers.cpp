@@ -6,7 +6,8 @@
 // LlamaAttention / LlamaMLP, and lab/engine/quant.py's linears) computes: the float products and the SiLU as the same
 // ATen calls, the bf16 low-bit products as lowbit_mm.h's kernels (ATen's bits, one unpacking for all rows), the norms
 // and elementwise steps as loops doing ATen's float operations in ATen's order. What goes away is the Python
-// interpreter and most of the ATen calls between the products. The attention is lab/engine/invariance.py's
+// interpreter, most of the ATen calls between the products, and the copy of every layer's whole cache per forward
+// (extend_cache writes the new positions in place). The attention is lab/engine/invariance.py's
 // exact_attention computed by one loop per (head, query row) instead of its batched float64
 // products (see exact_attention below for why the results agree); for bf16 on an AVX-512 CPU by the loop of
 // attention_avx512.cpp, which computes the same numbers.
@@ -304,12 +305,12 @@ inline double to_double(double x) { return x; }
 // results differ only where that ~1e-16 relative difference lands on a bf16 rounding boundary; its docstring
 // gives the odds), then rounds double -> float -> bf16 / fp16 as ATen's conversion does. A row's loop does not
 // depend on the other rows or on masked keys (they have weight exactly 0 and add nothing).
-// query [1, heads, T, d], key / value [1, kv_heads, S, d] (contiguous, as kv_t: double, or the reduced type itself,
+// query [1, heads, T, d], key / value [1, kv_heads, S, d] (rows of d contiguous, heads *_head_stride apart, as kv_t: double, or the reduced type itself,
 // widened where it is read; widening is exact, so both give the same numbers), hidden_keys [T, S] bool; returns
 // [1, T, heads, d].
 template <typename scalar_t, typename kv_t>
 at::Tensor attention_rows(const at::Tensor& query, const kv_t* k, const kv_t* v, int64_t kv_heads, int64_t keys,
-                          const bool* hidden, double scaling) {
+                          int64_t k_head_stride, int64_t v_head_stride, const bool* hidden, double scaling) {
   const int64_t heads = query.size(1), rows = query.size(2), dim = query.size(3);
   const int64_t shared = heads / kv_heads;
   const at::Tensor qc = query.contiguous();
@@ -334,7 +335,7 @@ at::Tensor attention_rows(const at::Tensor& query, const kv_t* k, const kv_t* v,
       const scalar_t* q_row = q + (h * rows + t) * dim;
       for (int64_t j = 0; j < dim; ++j) query_row[j] = wide(q_row[j]);  // exact
       const double* qd = query_row.data();
-      const kv_t* k_head = k + kv * keys * dim;
+      const kv_t* k_head = k + kv * k_head_stride;
       double* out = score_data + task * keys;
       const bool* hidden_row = hidden == nullptr ? nullptr : hidden + t * keys;
       int64_t s = 0;
@@ -372,7 +373,7 @@ at::Tensor attention_rows(const at::Tensor& query, const kv_t* k, const kv_t* v,
     for (int64_t task = begin; task < end; ++task) {
       const auto [kv, h, t] = task_of(task);
       const double* w = weight_data + task * keys;
-      const kv_t* v_head = v + kv * keys * dim;
+      const kv_t* v_head = v + kv * v_head_stride;
       double* a = acc.data();
       std::fill(a, a + dim, 0.0);
       for (int64_t s = 0; s < keys; ++s) {
@@ -387,6 +388,40 @@ at::Tensor attention_rows(const at::Tensor& query, const kv_t* k, const kv_t* v,
     }
   });
   return out;
+}
+
+// ---- The KV cache, extended in place -------------------------------------------------------------------------
+// A layer's cache [1, kv_heads, S, d] is a view of the first S positions of a buffer [1, kv_heads, capacity, d] this
+// op allocated (or of a longer tensor it was cropped from): a forward writes its T new keys and values after them
+// when the storage has room, and only otherwise copies the cache into a new buffer with room for more positions.
+// This relies on the lab's rule that a cache's tensors belong to that cache alone (lab.engine.runtime: no caller keeps
+// a cache tensor across a crop; a copy of a cache is a deep copy), so the positions past a cache's length are free.
+constexpr int64_t kMinHeadroom = 128;  // positions of room a new buffer gets at least (half the length when more)
+
+// Whether `past` ([1, kv_heads, S, d], rows of d contiguous) can show `length` positions without moving: each head's
+// rows are `stride(1)` elements apart and the last head's `length` rows end inside the storage.
+bool has_room(const at::Tensor& past, const at::Tensor& fresh, int64_t length) {
+  if (past.dim() != 4 || past.size(0) != 1 || past.scalar_type() != fresh.scalar_type()) return false;
+  const int64_t heads = past.size(1), dim = past.size(3);
+  if (past.stride(3) != 1 || past.stride(2) != dim || (heads > 1 && past.stride(1) < length * dim)) return false;
+  const int64_t last = past.storage_offset() + (heads - 1) * past.stride(1) + length * dim;  // elements used
+  return last * past.element_size() <= static_cast<int64_t>(past.storage().nbytes());
+}
+
+// `past` with `fresh` [1, kv_heads, T, d] appended along the positions (the values at::cat gives)
+at::Tensor extend_cache(const at::Tensor& past, const at::Tensor& fresh) {
+  const int64_t cached = past.size(2), length = cached + fresh.size(2);
+  at::Tensor grown;
+  if (has_room(past, fresh, length)) {
+    grown = past.as_strided({1, past.size(1), length, past.size(3)}, past.strides(), past.storage_offset());
+  } else {
+    const int64_t capacity = length + std::max(kMinHeadroom, length / 2);
+    grown = at::empty({1, past.size(1), capacity, past.size(3)}, past.options().dtype(fresh.scalar_type()))
+                .slice(2, 0, length);
+    if (cached > 0) grown.slice(2, 0, cached).copy_(past);
+  }
+  grown.slice(2, cached, length).copy_(fresh);
+  return grown;
 }
 
 }  // namespace
@@ -411,14 +446,14 @@ at::Tensor exact_attention(const at::Tensor& query, const at::Tensor& key, const
   AT_DISPATCH_REDUCED_FLOATING_TYPES(query.scalar_type(), "exact_attention", [&] {
     if (query.size(2) == 1 && key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type()) {
       // one query row per head (decode steps): the cache read as it is, each element widened where it is used
-      const at::Tensor kc = key.contiguous(), vc = value.contiguous();
+      const at::Tensor kc = attention::rows_contiguous(key), vc = attention::rows_contiguous(value);
       out = attention_rows<scalar_t, scalar_t>(query, kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(), kv_heads,
-                                               keys, hidden_data, scaling);
+                                               keys, kc.stride(1), vc.stride(1), hidden_data, scaling);
     } else {
       // several rows: keys and values widened to double once, not once per query row
       const at::Tensor kc = key.to(at::kDouble).contiguous(), vc = value.to(at::kDouble).contiguous();
       out = attention_rows<scalar_t, double>(query, kc.data_ptr<double>(), vc.data_ptr<double>(), kv_heads, keys,
-                                             hidden_data, scaling);
+                                             keys * key.size(3), keys * key.size(3), hidden_data, scaling);
     }
   });
   return out;
@@ -434,10 +469,12 @@ static at::Tensor sequences_attention(const at::Tensor& query, const at::Tensor&
                                       double scaling) {
   const int64_t batch = query.size(0);
   std::vector<at::Tensor> attended(batch);
+  for (int64_t b = 0; b < batch; ++b) {  // on this thread: an in-place write needs the caller's inference mode
+    keys_out[first + b] = extend_cache(past_keys[first + b], key.slice(0, b, b + 1));
+    values_out[first + b] = extend_cache(past_values[first + b], value.slice(0, b, b + 1));
+  }
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      keys_out[first + b] = at::cat({past_keys[first + b], key.slice(0, b, b + 1)}, -2);
-      values_out[first + b] = at::cat({past_values[first + b], value.slice(0, b, b + 1)}, -2);
       attended[b] = exact_attention(query.slice(0, b, b + 1), keys_out[first + b], values_out[first + b],
                                     c10::nullopt, scaling, lowbit::kBest);
     }
@@ -478,8 +515,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::ve
     at::Tensor value = states.slice(1, rotated, std::numeric_limits<int64_t>::max());
     at::Tensor attended;
     if (batch == 1) {
-      keys[l] = at::cat({past_keys[l], key}, -2);
-      values[l] = at::cat({past_values[l], value}, -2);
+      keys[l] = extend_cache(past_keys[l], key);
+      values[l] = extend_cache(past_values[l], value);
       attended = exact_attention(query, keys[l], values[l], hidden_keys, scaling, lowbit::kBest);
     } else {
       attended = sequences_attention(query, key, value, past_keys, past_values, l * batch, keys, values, scaling);
