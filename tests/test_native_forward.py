@@ -194,12 +194,16 @@ def test_the_norm_loop_equals_llama_rms_norm(features) -> None:
 
 
 def test_the_rotary_loop_equals_apply_rotary_pos_emb() -> None:
+    """Head dims whose half is a multiple of 16 (the AVX-512 loop where the CPU has it) and not (the scalar loop);
+    signed zeros and large values among the inputs."""
     torch.manual_seed(1)
-    for tokens in (1, 6):
-        states = torch.randn(1, 12, tokens, 64).to(torch.bfloat16)
-        cos, sin = torch.randn(1, tokens, 64).to(torch.bfloat16), torch.randn(1, tokens, 64).to(torch.bfloat16)
+    for tokens, dim in ((1, 64), (6, 64), (3, 32), (2, 16), (2, 24)):
+        states = torch.randn(1, 12, tokens, dim) * torch.randint(0, 3, (1, 12, tokens, dim)) * 1e3 ** torch.rand(1)
+        states = torch.where(torch.rand_like(states) < 0.1, -0.0, states).to(torch.bfloat16)
+        cos, sin = torch.randn(1, tokens, dim).to(torch.bfloat16), torch.randn(1, tokens, dim).to(torch.bfloat16)
         expected = states * cos.unsqueeze(1) + rotate_half(states) * sin.unsqueeze(1)
-        assert torch.equal(torch.ops.decoding_lab.rotary(states, cos, sin, native_forward.lanes()), expected)
+        rotated = torch.ops.decoding_lab.rotary(states, cos, sin, native_forward.lanes())
+        assert torch.equal(rotated.view(torch.int16), expected.view(torch.int16))  # the bits: signed zeros too
 
 
 def test_the_norms_sum_is_atens_float_sum() -> None:

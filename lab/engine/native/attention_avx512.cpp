@@ -11,7 +11,7 @@
 // of its query rows (the heads that share it times the T rows) instead of once per row. A row's numbers do not depend
 // on the other rows, on T or on the thread count: threads split keys (scores) and value columns, never a sum.
 #include "attention.h"
-#include "lowbit_common.h"
+#include "bf16_avx512.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -94,6 +94,38 @@ __attribute__((target("avx512f"))) void values_block(const double* weights, int6
   for (; r0 < R; ++r0) values_rows<1, C>(weights, r0, widened.data(), keys, acc, dim, c0);
 }
 
+// the query rows [1, heads, T, dim] of bf16 bits as float64 (exact) in exact_attention's layout [kv_heads, shared * T,
+// dim]
+__attribute__((target("avx512f"))) void widen_queries(const uint16_t* q_bits, int64_t heads, int64_t rows,
+                                                    int64_t shared, int64_t R, int64_t dim, double* q) {
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t t = 0; t < rows; ++t) {
+      const int64_t kv = h / shared, r = (h % shared) * rows + t;
+      for (int64_t j = 0; j < dim; j += kLanes) _mm512_storeu_pd(q + (kv * R + r) * dim + j, widen8(q_bits + (h * rows + t) * dim + j));
+    }
+  }
+}
+
+// out [1, T, heads, dim] = bf16(float(acc)) for each head's rows (double -> float -> bf16, each rounding to nearest
+// even, as the scalar casts: _mm512_cvtpd_ps rounds in the default mode, bf16_avx512.h as c10::BFloat16)
+__attribute__((target("avx512f,avx512bw"))) void write_rows(const double* acc, int64_t heads, int64_t rows,
+                                                          int64_t shared, int64_t R, int64_t dim, c10::BFloat16* o) {
+  const bool vectors = bf16x16::bf16_vectors() && dim % 16 == 0;
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t t = 0; t < rows; ++t) {
+      const double* a = acc + ((h / shared) * R + (h % shared) * rows + t) * dim;
+      c10::BFloat16* row = o + (t * heads + h) * dim;
+      int64_t j = 0;
+      for (; vectors && j < dim; j += 16) {
+        const __m256 low = _mm512_cvtpd_ps(_mm512_loadu_pd(a + j)), high = _mm512_cvtpd_ps(_mm512_loadu_pd(a + j + 8));
+        bf16x16::store(row + j, _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(low)),
+                                                                  _mm256_castps_pd(high), 1)));
+      }
+      for (; j < dim; ++j) row[j] = static_cast<c10::BFloat16>(static_cast<float>(a[j]));
+    }
+  }
+}
+
 // runs fn(begin, end) over [0, tasks) on the threads when the loop has enough work, else on this thread
 template <typename F>
 void split(int64_t tasks, int64_t work, const F& fn) {
@@ -124,12 +156,7 @@ at::Tensor avx512_rows(const at::Tensor& query, const at::Tensor& key, const at:
   const uint16_t* v = reinterpret_cast<const uint16_t*>(vc.data_ptr());
   // the query rows of each kv head in exact_attention's layout [kv_heads, shared * T, dim], widened (exact)
   std::vector<double> q(kv_heads * R * dim);
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t t = 0; t < rows; ++t) {
-      const int64_t kv = h / shared, r = (h % shared) * rows + t;
-      for (int64_t j = 0; j < dim; ++j) q[(kv * R + r) * dim + j] = lowbit::bf16_value(q_bits[(h * rows + t) * dim + j]);
-    }
-  }
+  widen_queries(q_bits, heads, rows, shared, R, dim, q.data());
   const int64_t work = heads * rows * keys * dim;
   at::Tensor scores = at::empty({kv_heads, R, keys}, query.options().dtype(at::kDouble));
   double* score_data = scores.data_ptr<double>();
@@ -158,14 +185,7 @@ at::Tensor avx512_rows(const at::Tensor& query, const at::Tensor& key, const at:
     }
   });
   at::Tensor out = at::empty({1, rows, heads, dim}, query.options());
-  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t t = 0; t < rows; ++t) {
-      const double* a = acc.data() + ((h / shared) * R + (h % shared) * rows + t) * dim;
-      c10::BFloat16* row = o + (t * heads + h) * dim;
-      for (int64_t j = 0; j < dim; ++j) row[j] = static_cast<c10::BFloat16>(static_cast<float>(a[j]));
-    }
-  }
+  write_rows(acc.data(), heads, rows, shared, R, dim, out.data_ptr<c10::BFloat16>());
   return out;
 }
 
