@@ -8,8 +8,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
+#include "bf16_avx512.h"
 #include "lowbit_common.h"
 
 namespace lowbit {
@@ -25,6 +27,47 @@ struct Q8Rows {  // step 1's quantized activations
   std::vector<int32_t> sum;  // [M, K / 32], sum(q)
   int64_t m = 0;
 };
+
+// Where a product's [M, N] outputs go: float32, or bf16 rounded once as c10::BFloat16(float) does (to nearest even,
+// NaN -> 0x7FC0), each written by the tile that computed it (no float copy of the result, no conversion pass).
+struct Outputs {
+  float* floats = nullptr;   // [M, N], or
+  uint16_t* bf16 = nullptr;  // [M, N] bf16 bits
+  int64_t n = 0;
+  void put(int64_t r, int64_t c, float value) const {
+    if (bf16 != nullptr) {
+      bf16[r * n + c] = to_bf16(value);
+    } else {
+      floats[r * n + c] = value;
+    }
+  }
+  void put16(int64_t r, int64_t c, const float* values) const {  // row r, columns c .. c + 15
+    for (int64_t i = 0; i < 16; ++i) put(r, c + i, values[i]);
+  }
+};
+
+__attribute__((target("avx512f,avx512bw"))) inline void put16(const Outputs& out, int64_t r, int64_t c, __m512 values) {
+  if (out.bf16 != nullptr) {
+    bf16x16::store(out.bf16 + r * out.n + c, values);
+  } else {
+    _mm512_storeu_ps(out.floats + r * out.n + c, values);
+  }
+}
+
+// The [M, N] result of a product of x: bf16 for bf16 x (written by the tiles), else float32 (`finished` converts
+// it to x's dtype), with the Outputs that point into it
+inline std::pair<at::Tensor, Outputs> result(const at::Tensor& x, int64_t m, int64_t n) {
+  if (x.scalar_type() == at::kBFloat16) {
+    at::Tensor out = at::empty({m, n}, x.options());
+    return {out, Outputs{nullptr, reinterpret_cast<uint16_t*>(out.data_ptr()), n}};
+  }
+  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
+  return {out, Outputs{out.data_ptr<float>(), nullptr, n}};
+}
+
+inline at::Tensor finished(const at::Tensor& out, const at::Tensor& x) {
+  return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
+}
 
 inline float half_value(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 

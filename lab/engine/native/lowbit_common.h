@@ -1,4 +1,5 @@
-// Helpers shared by the low-bit kernels (lowbit_int4.cpp, lowbit_int8.cpp): instruction-set variants, bf16 bits.
+// Helpers shared by the low-bit kernels (lowbit_int4.cpp, lowbit_int8.cpp, lowbit_a8.h): instruction-set variants,
+// bf16 bits.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -7,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16_avx512.h"
 #include "lowbit_mm.h"
 
 namespace lowbit {
@@ -44,12 +46,21 @@ inline int64_t resolve(int64_t variant) {
   return variant;
 }
 
+__attribute__((target("avx512f,avx512bw"))) inline int64_t widen_avx512(const uint16_t* bits, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, bf16x16::widen(bits + i));
+  return i;
+}
+
 // x [M, K] bf16 as floats (exact) in a buffer of the calling thread (no tensor allocation per product)
 inline const float* widened(const at::Tensor& x, std::vector<float>& buffer) {
   const at::Tensor c = x.contiguous();
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(c.data_ptr());
-  buffer.resize(c.numel());
-  for (int64_t i = 0; i < c.numel(); ++i) buffer[i] = bf16_value(bits[i]);
+  const int64_t n = c.numel();
+  buffer.resize(n);
+  for (int64_t i = bf16x16::bf16_vectors() ? widen_avx512(bits, n, buffer.data()) : 0; i < n; ++i) {
+    buffer[i] = bf16_value(bits[i]);
+  }
   return buffer.data();
 }
 

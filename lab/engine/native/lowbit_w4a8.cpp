@@ -7,7 +7,8 @@
 //      in any order: at most 32 * 15 * 127 in magnitude);
 //   3. per (row, column) acc = 0, then for each block g in order: acc += (d_w d_x) * i; acc += m_w * s (every product
 //      and sum one correctly rounded float operation; compiled with -ffp-contract=off: no fused multiply-adds);
-//      the output is acc in the input's dtype (rounded once).
+//      the output is acc in the input's dtype, rounded once (bf16: by the
+//      tile that computed it, as c10::BFloat16(float), a8::Outputs).
 // Step 2 is the only one the variants compute differently (AVX-512 VNNI, AVX-VNNI, AVX2, plain C++), and it is exact,
 // so every variant gives the same bits; threads split the output columns only.
 // Weight layout (lab.engine.quant.pack_w4a8): columns in tiles of 16; per tile and block, 4 x 64 bytes where byte
@@ -49,7 +50,7 @@ inline float combine(const float* dw, const float* mw, int64_t stride, const flo
   return acc;
 }
 
-void w4a8_reference(const Q8Rows& a, const W4Weights& w, float* out) {
+void w4a8_reference(const Q8Rows& a, const W4Weights& w, const a8::Outputs& out) {
   const int64_t blocks = w.k / kBlock, tiles = w.n / kCols;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> dots(blocks);
@@ -75,8 +76,8 @@ void w4a8_reference(const Q8Rows& a, const W4Weights& w, float* out) {
             }
             dots[g] = dot;
           }
-          out[r * w.n + t * kCols + c] = combine(dw.data() + c, mw.data() + c, kCols, a.d.data() + r * blocks,
-                                                 a.s.data() + r * blocks, dots.data(), blocks);
+          out.put(r, t * kCols + c, combine(dw.data() + c, mw.data() + c, kCols, a.d.data() + r * blocks,
+                                            a.s.data() + r * blocks, dots.data(), blocks));
         }
       }
     }
@@ -87,7 +88,7 @@ void w4a8_reference(const Q8Rows& a, const W4Weights& w, float* out) {
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512vnni(const Q8Rows& a, int64_t r0,
                                                                             const W4Weights& w, int64_t t,
-                                                                            float* out) {
+                                                                            const a8::Outputs& out) {
   const int64_t blocks = w.k / kBlock;
   const uint8_t* packed = w.packed + t * blocks * kBlockBytes;
   const uint16_t* scales = w.scales + t * blocks * 2 * kCols;
@@ -127,7 +128,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512vnni(cons
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * w.n + t * kCols, acc[r]);
+  for (int r = 0; r < R; ++r) a8::put16(out, r0 + r, t * kCols, acc[r]);
 }
 
 // ---- 256-bit variants: each 64-byte part as two registers (columns 0-7, 8-15) ----------------------------------------
@@ -135,7 +136,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512vnni(cons
 #define LOWBIT_W4A8_TILE_256(NAME, TARGET, DOT)                                                                      \
   template <int R>                                                                                                   \
   __attribute__((target(TARGET))) void NAME(const Q8Rows& a, int64_t r0, const W4Weights& w, int64_t t,          \
-                                            float* out) {                                                        \
+                                            const a8::Outputs& out) {                                                        \
     const int64_t blocks = w.k / kBlock;                                                                             \
     const uint8_t* packed = w.packed + t * blocks * kBlockBytes;                                                     \
     const uint16_t* scales = w.scales + t * blocks * 2 * kCols;                                                      \
@@ -178,8 +179,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512vnni(cons
       }                                                                                                              \
     }                                                                                                                \
     for (int r = 0; r < R; ++r) {                                                                                    \
-      _mm256_storeu_ps(out + (r0 + r) * w.n + t * kCols, acc[r][0]);                                                 \
-      _mm256_storeu_ps(out + (r0 + r) * w.n + t * kCols + 8, acc[r][1]);                                             \
+      alignas(32) float values[kCols];                                                                               \
+      _mm256_store_ps(values, acc[r][0]);                                                                            \
+      _mm256_store_ps(values + 8, acc[r][1]);                                                                        \
+      out.put16(r0 + r, t * kCols, values);                                                                          \
     }                                                                                                                \
   }
 
@@ -195,7 +198,7 @@ LOWBIT_W4A8_TILE_256(tile_avxvnni, "avx2,fma,f16c,avxvnni", LOWBIT_DOT_AVXVNNI)
 #undef LOWBIT_DOT_AVX2
 #undef LOWBIT_DOT_AVXVNNI
 
-using TileFn = void (*)(const Q8Rows&, int64_t, const W4Weights&, int64_t, float*);
+using TileFn = void (*)(const Q8Rows&, int64_t, const W4Weights&, int64_t, const a8::Outputs&);
 
 template <int R> struct Avx512Vnni { static constexpr TileFn fn = tile_avx512vnni<R>; };
 template <int R> struct AvxVnni { static constexpr TileFn fn = tile_avxvnni<R>; };
@@ -207,7 +210,7 @@ TileFn tile_kernel(int64_t variant, int rows) {
   return a8::pick_rows<TileFn, Avx2>(rows);
 }
 
-void w4a8_vector(int64_t variant, const Q8Rows& a, const W4Weights& w, float* out) {
+void w4a8_vector(int64_t variant, const Q8Rows& a, const W4Weights& w, const a8::Outputs& out) {
   a8::over_tiles(a.m, w.n / kCols, [&](int64_t t, int64_t r0, int rows) { tile_kernel(variant, rows)(a, r0, w, t, out); });
 }
 
@@ -231,16 +234,16 @@ at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
               "256] uint8, scales [N / 16, K / 32, 2, 16] int16 (fp16 bits), K a multiple of 32");
   variant = a8::resolve(variant, "w4a8_mm");
   const int64_t m = x.size(0), n = packed.size(0) * kCols;
-  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
-  if (m == 0 || n == 0) return out.to(x.scalar_type());
+  const auto [out, outputs] = a8::result(x, m, n);
+  if (m == 0 || n == 0) return a8::finished(out, x);
   const Q8Rows& rows = a8::quantized(x, variant);
   const W4Weights w{packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()), n, x.size(1)};
   if (variant == kReference) {
-    w4a8_reference(rows, w, out.data_ptr<float>());
+    w4a8_reference(rows, w, outputs);
   } else {
-    w4a8_vector(variant, rows, w, out.data_ptr<float>());
+    w4a8_vector(variant, rows, w, outputs);
   }
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return a8::finished(out, x);
 }
 
 // step 1 alone: (q [M, K] int8, d [M, K / 32], s [M, K / 32]) of x as `variant` computes it, for tests of the

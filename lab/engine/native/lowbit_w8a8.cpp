@@ -6,7 +6,8 @@
 //   2. per (row, column, block) the integer dot product i = sum_j q_w,j q_x,j (exact in any order: at most
 //      32 * 128 * 127 in magnitude);
 //   3. per (row, column) acc = 0, then for each block g in order: acc += (d_w d_x) * i (each product and sum one
-//      correctly rounded float operation; -ffp-contract=off); the output is acc in the input's dtype (rounded once).
+//      correctly rounded float operation; -ffp-contract=off); the output is acc in the input's dtype, rounded once
+//      (bf16: by the tile that computed it, as c10::BFloat16(float), a8::Outputs).
 // Step 2 is the only one the variants compute differently, and it is exact, so every variant gives the same bits:
 // the VNNI ones multiply the weights offset to unsigned bytes (q_w + 128) and subtract 128 sum(q_x); AVX2 multiplies
 // |q_w| by q_x with q_w's sign (maddubs cannot saturate: 2 * 128 * 127 < 2^15); plain C++ multiplies as written.
@@ -35,7 +36,7 @@ struct W8Weights {
   int64_t n, k;
 };
 
-void w8a8_reference(const Q8Rows& a, const W8Weights& w, float* out) {
+void w8a8_reference(const Q8Rows& a, const W8Weights& w, const a8::Outputs& out) {
   const int64_t blocks = w.k / kBlock, tiles = w.n / kCols;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -54,7 +55,7 @@ void w8a8_reference(const Q8Rows& a, const W8Weights& w, float* out) {
             const float product = scale * static_cast<float>(dot);
             acc = acc + product;
           }
-          out[r * w.n + t * kCols + c] = acc;
+          out.put(r, t * kCols + c, acc);
         }
       }
     }
@@ -65,7 +66,7 @@ void w8a8_reference(const Q8Rows& a, const W8Weights& w, float* out) {
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512vnni(const Q8Rows& a, int64_t r0,
                                                                             const W8Weights& w, int64_t t,
-                                                                            float* out) {
+                                                                            const a8::Outputs& out) {
   const int64_t blocks = w.k / kBlock;
   const uint8_t* packed = w.packed + t * blocks * kBlockBytes;
   const uint16_t* scales = w.scales + t * blocks * kCols;
@@ -98,7 +99,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512vnni(cons
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * w.n + t * kCols, acc[r]);
+  for (int r = 0; r < R; ++r) a8::put16(out, r0 + r, t * kCols, acc[r]);
 }
 
 // ---- 256-bit variants: each 64-byte part as two registers (columns 0-7, 8-15) ----------------------------------------
@@ -108,7 +109,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512vnni(cons
 #define LOWBIT_W8A8_TILE_256(NAME, TARGET, PREPARE, DOT, OFFSET)                                                     \
   template <int R>                                                                                                   \
   __attribute__((target(TARGET))) void NAME(const Q8Rows& a, int64_t r0, const W8Weights& w, int64_t t,           \
-                                            float* out) {                                                         \
+                                            const a8::Outputs& out) {                                             \
     const int64_t blocks = w.k / kBlock;                                                                             \
     const uint8_t* packed = w.packed + t * blocks * kBlockBytes;                                                     \
     const uint16_t* scales = w.scales + t * blocks * kCols;                                                          \
@@ -146,8 +147,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512vnni(cons
       }                                                                                                              \
     }                                                                                                                \
     for (int r = 0; r < R; ++r) {                                                                                    \
-      _mm256_storeu_ps(out + (r0 + r) * w.n + t * kCols, acc[r][0]);                                                 \
-      _mm256_storeu_ps(out + (r0 + r) * w.n + t * kCols + 8, acc[r][1]);                                             \
+      alignas(32) float values[kCols];                                                                               \
+      _mm256_store_ps(values, acc[r][0]);                                                                            \
+      _mm256_store_ps(values + 8, acc[r][1]);                                                                        \
+      out.put16(r0 + r, t * kCols, values);                                                                          \
     }                                                                                                                \
   }
 
@@ -169,7 +172,7 @@ LOWBIT_W8A8_TILE_256(tile_avxvnni, "avx2,fma,f16c,avxvnni", LOWBIT_AS_STORED, LO
 #undef LOWBIT_AS_STORED
 #undef LOWBIT_DOT_AVXVNNI
 
-using TileFn = void (*)(const Q8Rows&, int64_t, const W8Weights&, int64_t, float*);
+using TileFn = void (*)(const Q8Rows&, int64_t, const W8Weights&, int64_t, const a8::Outputs&);
 
 template <int R> struct Avx512Vnni { static constexpr TileFn fn = tile_avx512vnni<R>; };
 template <int R> struct AvxVnni { static constexpr TileFn fn = tile_avxvnni<R>; };
@@ -198,19 +201,18 @@ at::Tensor w8a8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
               "512] uint8, scales [N / 16, K / 32, 16] int16 (fp16 bits), K a multiple of 32");
   variant = a8::resolve(variant, "w8a8_mm");
   const int64_t m = x.size(0), n = packed.size(0) * kCols;
-  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
-  if (m == 0 || n == 0) return out.to(x.scalar_type());
+  const auto [out, outputs] = a8::result(x, m, n);
+  if (m == 0 || n == 0) return a8::finished(out, x);
   const Q8Rows& rows = a8::quantized(x, variant);
   const W8Weights w{packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()), n, x.size(1)};
-  float* data = out.data_ptr<float>();
   if (variant == kReference) {
-    w8a8_reference(rows, w, data);
+    w8a8_reference(rows, w, outputs);
   } else {
     a8::over_tiles(rows.m, n / kCols, [&](int64_t t, int64_t r0, int count) {
-      tile_kernel(variant, count)(rows, r0, w, t, data);
+      tile_kernel(variant, count)(rows, r0, w, t, outputs);
     });
   }
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return a8::finished(out, x);
 }
 
 }  // namespace lowbit
