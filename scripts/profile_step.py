@@ -18,6 +18,11 @@ and 16 rows with ATen's low-bit kernels and with the op's row-efficient ones (la
 interleaved the same way. `--batched-steps 1,4,8,16` times one batched decode step (`lab.engine.runtime.decode_steps`,
 B sequences with their own caches in one forward, as `lab distill` runs them) per B, interleaved the same way.
 
+`--compare-build REV` times the decode step and chain verifies of 4, 8 and 16 rows with the op of git revision REV
+(its lab/engine/native sources, built into a temporary folder under another op namespace) and with this checkout's,
+interleaved the same way: the before / after of a change to the op in one process (the LM head's low-bit product
+is swapped too; the Python around the op is this checkout's in both).
+
 `--loop step|verify` only runs that call --steps times after a warm-up (the first precision), for a sampling
 profiler outside Python, which sees the C++ frames torch.profiler cannot split (the op's attention, its kernels,
 libgomp's waits; --delay skips the model's loading):
@@ -27,7 +32,7 @@ libgomp's waits; --delay skips the model's loading):
     perf report -i /tmp/v.data --stdio --no-children --sort dso,symbol --percent-limit 0.5
 
 usage: python scripts/profile_step.py [--precisions bf16,int8,int4] [--steps 40] [--nodes 16] [--context N]
-       [--compare-native] [--compare-lowbit] [--batched-steps 1,4,8,16] [--loop step|verify]
+       [--compare-native] [--compare-lowbit] [--compare-build REV] [--batched-steps 1,4,8,16] [--loop step|verify]
 """
 
 from __future__ import annotations
@@ -35,10 +40,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils.cpp_extension import load
 
 from lab.engine import native_forward, runtime
 from lab.engine.invariance import rows_invariant
@@ -169,6 +178,62 @@ def compare_lowbit(loaded: LoadedModel, steps: int, rounds: int = 6) -> list[str
     return lines
 
 
+SWAPPED_OPS = ("decoder_layers", "w4a8_mm", "w8a8_mm", "int4_mm", "int8_mm")  # what a forward calls
+
+
+def reference_ops(revision: str) -> dict[str, object]:
+    """The ops of SWAPPED_OPS as git revision `revision` builds them (its lab/engine/native sources compiled with this
+    checkout's flags into a temporary folder, under the namespace decoding_lab_ref)."""
+    root = Path(__file__).resolve().parents[1]
+    folder = "lab/engine/native"
+    names = subprocess.run(["git", "-C", str(root), "ls-tree", "--name-only", f"{revision}:{folder}"],
+                           check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
+    work = Path(tempfile.mkdtemp(prefix="profile-step-ref-"))
+    for name in names:
+        text = subprocess.run(["git", "-C", str(root), "show", f"{revision}:{folder}/{name}"],
+                              check=True, capture_output=True, text=True).stdout  # fmt: skip
+        text = text.replace("TORCH_LIBRARY(decoding_lab,", "TORCH_LIBRARY(decoding_lab_ref,")
+        (work / name).write_text(
+            text.replace("TORCH_LIBRARY_FRAGMENT(decoding_lab,", "TORCH_LIBRARY_FRAGMENT(decoding_lab_ref,")
+        )
+    (work / "build").mkdir()
+    sources = [str(work / name) for name in names if name.endswith(".cpp")]
+    load("decoding_lab_ref", sources, extra_cflags=native_forward.compile_flags(), extra_ldflags=["-fopenmp"],
+         build_directory=str(work / "build"), is_python_module=False)  # fmt: skip
+    return {name: getattr(torch.ops.decoding_lab_ref, name) for name in SWAPPED_OPS}
+
+
+def compare_build(loaded: LoadedModel, revision: str, steps: int, rounds: int = 6) -> list[str]:
+    """Table rows: the decode step and chain verifies of 4, 8 and 16 rows with the op of `revision` and with this
+    checkout's, interleaved in `rounds` rounds of `steps` calls (each verify also as a multiple of the step)."""
+    assert native_forward.build(), "the op is not built here"
+    reference = reference_ops(revision)
+    current = {name: getattr(torch.ops.decoding_lab, name) for name in SWAPPED_OPS}
+    calls = {"decode step": step_calls(loaded, 1)[0]}
+    calls |= {f"verify {rows}-node tree": step_calls(loaded, rows)[1] for rows in (4, 8, 16)}
+    times: dict[tuple[str, str], list[float]] = {}
+    try:
+        for index in range(rounds):
+            for build in ("ref", "this") if index % 2 == 0 else ("this", "ref"):
+                for name, op in (reference if build == "ref" else current).items():
+                    setattr(torch.ops.decoding_lab, name, op)
+                for label, fn in calls.items():
+                    times.setdefault((label, build), []).append(median_ms(fn, steps))
+    finally:
+        for name, op in current.items():
+            setattr(torch.ops.decoding_lab, name, op)
+    ms = {key: statistics.median(values) for key, values in times.items()}
+    lines = []
+    for label in calls:
+        before, after = ms[(label, "ref")], ms[(label, "this")]
+        step_before, step_after = ms[("decode step", "ref")], ms[("decode step", "this")]
+        lines.append(
+            f"| {loaded.precision} | {label} | {before:.2f} ({before / step_before:.2f}x step) | "
+            f"{after:.2f} ({after / step_after:.2f}x step) | {before / after:.2f}x |"
+        )
+    return lines
+
+
 def batched_steps(loaded: LoadedModel, widths: list[int], steps: int, rounds: int = 4) -> list[str]:
     """Table rows: one `runtime.decode_steps` call over B sequences (the B = 1 row: a plain decode step), median ms,
     its multiple of the B = 1 time and the tokens/s it makes, the widths interleaved in `rounds` rounds of `steps`
@@ -222,6 +287,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=16)
     parser.add_argument("--compare-native", action="store_true", help="C++ layers off / on, interleaved")
     parser.add_argument("--compare-lowbit", action="store_true", help="ATen's / the op's low-bit kernels, interleaved")
+    parser.add_argument("--compare-build", metavar="REV", help="the op of git revision REV / this one's, interleaved")
     parser.add_argument("--batched-steps", default=None, help="e.g. 1,4,8,16,32: decode_steps over B sequences")
     parser.add_argument("--loop", choices=("step", "verify"), help="only run this call --steps times (for perf)")
     parser.add_argument("--context", type=int, default=0, help="cached positions before a call (default: the prompt)")
@@ -243,6 +309,17 @@ def main() -> None:
             loaded = load_model("smollm2-135m", device="cpu", dtype=args.dtype, precision=precision)
             with torch.inference_mode():
                 lines += batched_steps(loaded, [int(w) for w in args.batched_steps.split(",")], args.steps)
+        print("\n".join(lines))
+        return
+    if args.compare_build:
+        lines = [
+            f"| precision | call | op of {args.compare_build}: median ms | this op | speedup |",
+            "|---|---|---|---|---|",
+        ]
+        for precision in args.precisions.split(","):
+            loaded = load_model("smollm2-135m", device="cpu", dtype=args.dtype, precision=precision)
+            with torch.inference_mode():
+                lines += compare_build(loaded, args.compare_build, args.steps)
         print("\n".join(lines))
         return
     if args.compare_lowbit:

@@ -165,6 +165,16 @@ def exclusive(directory: Path):
             fcntl.flock(guard, fcntl.LOCK_UN)
 
 
+def compile_flags() -> list[str]:
+    """The C++ flags of the op's build. -fopenmp: at::parallel_for is an inline OpenMP region, serial without it;
+    the library it links, libgomp.so.1, is the one PyTorch already loaded (torch.set_num_threads applies to the op
+    too). -ffp-contract=off: no fused multiply-adds where the numerics say one rounding per operation."""
+    flags = ["-O3", "-ffp-contract=off", "-fopenmp"]
+    if torch.backends.cpu.get_cpu_capability() in _VECTOR_CAPABILITIES:
+        flags += _VECTOR_FLAGS
+    return flags
+
+
 def build(verbose: bool = False) -> bool:
     """Compile (or load the cached build of) the op; True when `torch.ops.decoding_lab.decoder_layers` exists."""
     global _loaded
@@ -173,17 +183,12 @@ def build(verbose: bool = False) -> bool:
             try:
                 from torch.utils.cpp_extension import load
 
-                # -fopenmp: at::parallel_for is an inline OpenMP region, serial without it; the library it links,
-                # libgomp.so.1, is the one PyTorch already loaded (torch.set_num_threads applies to the op too)
-                flags = ["-O3", "-ffp-contract=off", "-fopenmp"]
-                if torch.backends.cpu.get_cpu_capability() in _VECTOR_CAPABILITIES:
-                    flags += _VECTOR_FLAGS
                 sources = [str(s) for s in SOURCES]
                 with exclusive(build_directory()) as directory:
                     load(
                         EXTENSION,
                         sources,
-                        extra_cflags=flags,
+                        extra_cflags=compile_flags(),
                         extra_ldflags=["-fopenmp"],
                         build_directory=str(directory),
                         is_python_module=False,
