@@ -43,6 +43,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -181,9 +182,10 @@ def compare_lowbit(loaded: LoadedModel, steps: int, rounds: int = 6) -> list[str
 SWAPPED_OPS = ("decoder_layers", "w4a8_mm", "w8a8_mm", "int4_mm", "int8_mm")  # what a forward calls
 
 
+@cache
 def reference_ops(revision: str) -> dict[str, object]:
     """The ops of SWAPPED_OPS as git revision `revision` builds them (its lab/engine/native sources compiled with this
-    checkout's flags into a temporary folder, under the namespace decoding_lab_ref)."""
+    checkout's flags into a temporary folder, under the namespace decoding_lab_ref; once per process)."""
     root = Path(__file__).resolve().parents[1]
     folder = "lab/engine/native"
     names = subprocess.run(["git", "-C", str(root), "ls-tree", "--name-only", f"{revision}:{folder}"],
