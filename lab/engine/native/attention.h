@@ -15,7 +15,8 @@ inline at::Tensor rows_contiguous(const at::Tensor& x) {
 // 128, a CPU with AVX-512F.
 bool avx512_takes(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value);
 
-// query [1, heads, T, d], key / value [1, kv_heads, S, d] bf16 (any head stride), hidden [T, S] bool or nullptr (true: not seen);
+// query [1, heads, T, d], key / value [1, kv_heads, S, d] bf16 (any head stride), hidden [T, S] bool or nullptr (true:
+// not seen);
 // returns [1, T, heads, d] bf16: the numbers of decoder_layers.cpp's attention_rows.
 at::Tensor avx512_rows(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const bool* hidden,
                        double scaling);

@@ -101,7 +101,9 @@ __attribute__((target("avx512f"))) void widen_queries(const uint16_t* q_bits, in
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t t = 0; t < rows; ++t) {
       const int64_t kv = h / shared, r = (h % shared) * rows + t;
-      for (int64_t j = 0; j < dim; j += kLanes) _mm512_storeu_pd(q + (kv * R + r) * dim + j, widen8(q_bits + (h * rows + t) * dim + j));
+      for (int64_t j = 0; j < dim; j += kLanes) {
+        _mm512_storeu_pd(q + (kv * R + r) * dim + j, widen8(q_bits + (h * rows + t) * dim + j));
+      }
     }
   }
 }

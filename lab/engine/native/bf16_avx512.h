@@ -42,7 +42,8 @@ __attribute__((target("avx512f,avx512bw"))) inline void store(void* out, __m512 
 
 // -x (the sign bit flipped, as the float negation)
 __attribute__((target("avx512f,avx512bw"))) inline __m512 negate(__m512 x) {
-  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign));
 }
 
 }  // namespace bf16x16

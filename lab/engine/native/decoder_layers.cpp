@@ -369,9 +369,9 @@ inline double to_double(double x) { return x; }
 // results differ only where that ~1e-16 relative difference lands on a bf16 rounding boundary; its docstring
 // gives the odds), then rounds double -> float -> bf16 / fp16 as ATen's conversion does. A row's loop does not
 // depend on the other rows or on masked keys (they have weight exactly 0 and add nothing).
-// query [1, heads, T, d], key / value [1, kv_heads, S, d] (rows of d contiguous, heads *_head_stride apart, as kv_t: double, or the reduced type itself,
-// widened where it is read; widening is exact, so both give the same numbers), hidden_keys [T, S] bool; returns
-// [1, T, heads, d].
+// query [1, heads, T, d], key / value [1, kv_heads, S, d] (rows of d contiguous, heads *_head_stride apart, as kv_t:
+// double, or the reduced type itself, widened where it is read; widening is exact, so both give the same numbers),
+// hidden_keys [T, S] bool; returns [1, T, heads, d].
 template <typename scalar_t, typename kv_t>
 at::Tensor attention_rows(const at::Tensor& query, const kv_t* k, const kv_t* v, int64_t kv_heads, int64_t keys,
                           int64_t k_head_stride, int64_t v_head_stride, const bool* hidden, double scaling) {
