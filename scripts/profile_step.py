@@ -154,29 +154,35 @@ def compare_native(loaded: LoadedModel, nodes: int, steps: int, rounds: int = 8)
     return lines
 
 
-def compare_lowbit(loaded: LoadedModel, steps: int, rounds: int = 6) -> list[str]:
-    """Table rows: the decode step and chain verifies of 4, 8 and 16 rows with ATen's low-bit kernels and with the
-    op's row-efficient ones (`lab.engine.quant.set_lowbit_kernels`), interleaved in `rounds` rounds of `steps`
-    calls; each verify also as a multiple of the decode step with the same kernels."""
+def before_after(loaded: LoadedModel, settings, steps: int, rounds: int = 6) -> list[str]:
+    """Table rows: the decode step and chain verifies of 4, 8 and 16 rows under the two `settings` (callables that
+    set up "before" and "after", the second left in place at the end), interleaved in `rounds` rounds of `steps`
+    calls; each call's median ms under both, each verify also as a multiple of the decode step of its setting."""
     calls = {"decode step": step_calls(loaded, 1)[0]}
     calls |= {f"verify {rows}-node tree": step_calls(loaded, rows)[1] for rows in (4, 8, 16)}
-    times: dict[tuple[str, bool], list[float]] = {}
+    times: dict[tuple[str, int], list[float]] = {}
     for index in range(rounds):
-        for on in (False, True) if index % 2 == 0 else (True, False):
-            set_lowbit_kernels(on)
+        for setting in (0, 1) if index % 2 == 0 else (1, 0):
+            settings[setting]()
             for label, fn in calls.items():
-                times.setdefault((label, on), []).append(median_ms(fn, steps))
-    set_lowbit_kernels(True)
+                times.setdefault((label, setting), []).append(median_ms(fn, steps))
+    settings[1]()
     ms = {key: statistics.median(values) for key, values in times.items()}
     lines = []
     for label in calls:
-        off, on = ms[(label, False)], ms[(label, True)]
-        step_off, step_on = ms[("decode step", False)], ms[("decode step", True)]
+        before, after = ms[(label, 0)], ms[(label, 1)]
+        step_before, step_after = ms[("decode step", 0)], ms[("decode step", 1)]
         lines.append(
-            f"| {loaded.precision} | {label} | {off:.2f} ({off / step_off:.2f}x step) | "
-            f"{on:.2f} ({on / step_on:.2f}x step) | {off / on:.2f}x |"
+            f"| {loaded.precision} | {label} | {before:.2f} ({before / step_before:.2f}x step) | "
+            f"{after:.2f} ({after / step_after:.2f}x step) | {before / after:.2f}x |"
         )
     return lines
+
+
+def compare_lowbit(loaded: LoadedModel, steps: int) -> list[str]:
+    """`before_after` with ATen's low-bit kernels and with the op's row-efficient ones
+    (`lab.engine.quant.set_lowbit_kernels`)."""
+    return before_after(loaded, (lambda: set_lowbit_kernels(False), lambda: set_lowbit_kernels(True)), steps)
 
 
 SWAPPED_OPS = ("decoder_layers", "w4a8_mm", "w8a8_mm", "int4_mm", "int8_mm")  # what a forward calls
@@ -205,35 +211,20 @@ def reference_ops(revision: str) -> dict[str, object]:
     return {name: getattr(torch.ops.decoding_lab_ref, name) for name in SWAPPED_OPS}
 
 
-def compare_build(loaded: LoadedModel, revision: str, steps: int, rounds: int = 6) -> list[str]:
-    """Table rows: the decode step and chain verifies of 4, 8 and 16 rows with the op of `revision` and with this
-    checkout's, interleaved in `rounds` rounds of `steps` calls (each verify also as a multiple of the step)."""
+def compare_build(loaded: LoadedModel, revision: str, steps: int) -> list[str]:
+    """`before_after` with the op of `revision` and with this checkout's."""
     assert native_forward.build(), "the op is not built here"
     reference = reference_ops(revision)
     current = {name: getattr(torch.ops.decoding_lab, name) for name in SWAPPED_OPS}
-    calls = {"decode step": step_calls(loaded, 1)[0]}
-    calls |= {f"verify {rows}-node tree": step_calls(loaded, rows)[1] for rows in (4, 8, 16)}
-    times: dict[tuple[str, str], list[float]] = {}
-    try:
-        for index in range(rounds):
-            for build in ("ref", "this") if index % 2 == 0 else ("this", "ref"):
-                for name, op in (reference if build == "ref" else current).items():
-                    setattr(torch.ops.decoding_lab, name, op)
-                for label, fn in calls.items():
-                    times.setdefault((label, build), []).append(median_ms(fn, steps))
-    finally:
-        for name, op in current.items():
+
+    def use(ops: dict) -> None:
+        for name, op in ops.items():
             setattr(torch.ops.decoding_lab, name, op)
-    ms = {key: statistics.median(values) for key, values in times.items()}
-    lines = []
-    for label in calls:
-        before, after = ms[(label, "ref")], ms[(label, "this")]
-        step_before, step_after = ms[("decode step", "ref")], ms[("decode step", "this")]
-        lines.append(
-            f"| {loaded.precision} | {label} | {before:.2f} ({before / step_before:.2f}x step) | "
-            f"{after:.2f} ({after / step_after:.2f}x step) | {before / after:.2f}x |"
-        )
-    return lines
+
+    try:
+        return before_after(loaded, (lambda: use(reference), lambda: use(current)), steps)
+    finally:
+        use(current)
 
 
 def batched_steps(loaded: LoadedModel, widths: list[int], steps: int, rounds: int = 4) -> list[str]:
