@@ -22,7 +22,7 @@ import torch
 from lab.engine import runtime
 from lab.engine.emitter import TOP_ALTERNATIVES, Emitter
 from lab.engine.models import LoadedModel
-from lab.engine.sampling import SamplingConfig, choose_token, process_logits
+from lab.engine.sampling import SamplingConfig, choose_token, process_logits, top_tokens
 from lab.trace import Event, RunFinished
 
 
@@ -107,10 +107,10 @@ def decode(
 
 
 def top_alternatives(processed_logits: torch.Tensor) -> tuple[list[int], list[float]]:
-    """The most likely tokens of softmax(processed_logits) [V] and their probabilities."""
-    probs = processed_logits.softmax(dim=-1)  # [V]
-    values, ids = torch.topk(probs, TOP_ALTERNATIVES)
-    return ids.tolist(), values.tolist()
+    """The most likely tokens of softmax(processed_logits) [V] (`lab.engine.sampling.top_tokens`' order) and their
+    probabilities."""
+    ids = top_tokens(processed_logits, TOP_ALTERNATIVES).ids[0]
+    return ids.tolist(), processed_logits.softmax(dim=-1)[ids].tolist()
 
 
 def sampling_hook(config: SamplingConfig, generator: torch.Generator) -> Hook:

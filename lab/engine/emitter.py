@@ -18,6 +18,7 @@ from functools import lru_cache
 import torch
 
 from lab.engine.models import LoadedModel
+from lab.engine.sampling import top_tokens
 from lab.engine.text import IncrementalDetokenizer
 from lab.trace import TokenEmitted
 
@@ -64,10 +65,9 @@ class Emitter:
 
     def emit(self, step: int, tokens: list[int], sources: list[str], rows: torch.Tensor) -> Iterator[TokenEmitted]:
         """TokenEmitted per token (cut at EOS / budget); rows[i] = the processed logits token i was chosen from."""
-        k = min(TOP_ALTERNATIVES, rows.shape[-1])
-        top_logits, top_ids = torch.topk(rows, k, dim=-1)
-        top_probs = (top_logits - torch.logsumexp(rows, dim=-1, keepdim=True)).exp()
-        ids_all, probs_all = top_ids.tolist(), top_probs.tolist()
+        top = top_tokens(rows, TOP_ALTERNATIVES)
+        top_probs = (top.logits - torch.logsumexp(rows, dim=-1, keepdim=True)).exp()
+        ids_all, probs_all = top.ids.tolist(), top_probs.tolist()
         for i, token in enumerate(tokens):
             if self.stop_reason:
                 return

@@ -65,7 +65,8 @@ SOURCES = (
     SOURCE,
     SOURCE.with_name("attention_avx512.cpp"),
     *(SOURCE.with_name(f"lowbit_{kind}.cpp") for kind in ("int4", "int8", "w4a8", "w8a8")),
-)  # + the attention's AVX-512 loop, the low-bit products
+    SOURCE.with_name("row_top.cpp"),
+)  # + the attention's AVX-512 loop, the low-bit products, the top tokens of logit rows
 EXTENSION = "decoding_lab_native"
 LINEAR_KINDS = {"two-row float": 0, "int8": 1, "int4": 2, "w4a8": 3}  # decoder_layers.cpp's kTwoRowFloat ... kW4A8
 # the attention loop's vector instructions, from the capability PyTorch itself detected on this CPU

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lab.engine import native_forward
+
 FILTERED = float("-inf")
 
 
@@ -104,14 +106,48 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 
 def choose_token(processed_logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator) -> int:
-    """argmax when greedy, otherwise a draw from softmax(processed_logits)."""
+    """argmax (the first maximal id, as torch.argmax) when greedy, otherwise a draw from softmax(processed_logits)."""
     if config.greedy:
-        return int(processed_logits.argmax())
+        return int(top_tokens(processed_logits, 1).ids[0, 0])
     return sample(processed_logits.softmax(dim=-1), generator)
+
+
+@dataclass(frozen=True)
+class TopTokens:
+    """The k largest logits of each row, largest first: a NaN above every number (as torch.topk and torch.argmax
+    rank it), equal logits by token id, lowest first. So `ids[:, 0]` is each row's torch.argmax, and `ids` is what
+    a stable descending sort of the row puts first."""
+
+    ids: torch.Tensor  # [R, k] int64
+    logits: torch.Tensor  # [R, k]
+
+
+def top_tokens(logits: torch.Tensor, k: int) -> TopTokens:
+    """The top k of each row of `logits` [R, V] (or of one row [V], as R = 1), in `TopTokens`' order.
+
+    A decoding round reads the greedy token and the alternatives a trace shows from the target's rows; ATen's
+    argmax and topk cost 40-90 us each on a 49,152-token row on a CPU. The native op (lab/engine/native/row_top.cpp)
+    finds them in one vectorized pass; elsewhere (op not built, a GPU) ATen's topk finds the k-th value, and the ids
+    ranking at or above it (more than k only on a tie at the k-th) are put in the order above."""
+    rows = logits.reshape(1, -1) if logits.dim() == 1 else logits
+    k = min(k, rows.shape[-1])
+    if rows.device.type == "cpu" and rows.dtype == torch.float32 and native_forward.available():
+        ids, values = torch.ops.decoding_lab.row_top(rows, k)
+        return TopTokens(ids, values)
+    kth = torch.topk(rows, k, dim=-1).values[:, -1:]  # NaN ranks highest here too
+    candidates = rows.isnan() | (rows >= kth)  # a NaN k-th: the NaNs alone
+    ids = []
+    for row, keep in zip(rows, candidates, strict=True):
+        index = keep.nonzero()[:, 0]  # ascending ids
+        order = torch.sort(row[index], descending=True, stable=True).indices[:k]
+        ids.append(index[order])
+    ids = torch.stack(ids)
+    return TopTokens(ids, rows.gather(1, ids))
 
 
 def target_distribution(processed_logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     """p used by speculative acceptance: softmax, or one-hot argmax in greedy mode (exact greedy equality)."""
     if config.greedy:
-        return torch.nn.functional.one_hot(processed_logits.argmax(-1), processed_logits.shape[-1]).float()
+        best = top_tokens(processed_logits, 1).ids[:, 0].reshape(processed_logits.shape[:-1])
+        return torch.nn.functional.one_hot(best, processed_logits.shape[-1]).float()
     return processed_logits.softmax(dim=-1)

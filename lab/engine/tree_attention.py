@@ -49,18 +49,16 @@ def build_tree_attention(parents: list[int]) -> TreeAttention:
     for i, parent in enumerate(parents):
         if not -1 <= parent < i:
             raise ValueError(f"parents[{i}] = {parent}: a parent must be -1 or an earlier node")
-    ancestors = torch.eye(n, dtype=torch.bool)
-    depths = torch.zeros(n, dtype=torch.long)
+    seen: list[list[int]] = []  # per node: its ancestors and itself, root side first (plain lists: a verify round
+    depth: list[int] = []  # builds one tree, and per-element tensor indexing costs microseconds an element)
     for i, parent in enumerate(parents):
-        if parent >= 0:
-            ancestors[i] |= ancestors[parent]
-            depths[i] = depths[parent] + 1
+        seen.append((seen[parent] if parent >= 0 else []) + [i])
+        depth.append(len(seen[i]) - 1)
+    ancestors = torch.zeros(n, n, dtype=torch.bool)
+    rows = [i for i, path in enumerate(seen) for _ in path]
+    ancestors[rows, [j for path in seen for j in path]] = True
     has_child = set(p for p in parents if p >= 0)
     leaves = [i for i in range(n) if i not in has_child]
-    width = int(depths.max()) + 1
-    retrieve = torch.full((len(leaves), width), -1, dtype=torch.long)
-    tree = TreeAttention(tuple(parents), ancestors, depths, retrieve)
-    for row, leaf in enumerate(leaves):
-        path = tree.path_to(leaf)
-        retrieve[row, : len(path)] = torch.tensor(path)
-    return tree
+    width = max(depth) + 1
+    retrieve = torch.tensor([seen[leaf] + [-1] * (width - len(seen[leaf])) for leaf in leaves], dtype=torch.long)
+    return TreeAttention(tuple(parents), ancestors, torch.tensor(depth, dtype=torch.long), retrieve)

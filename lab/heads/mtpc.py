@@ -133,6 +133,13 @@ class Circuit:
         self.root_weights = log_pi + (logp[0, :, index] if index is not None else 0.0)
         self.root_weights = self.root_weights - torch.logsumexp(self.root_weights, 0)  # log w_z(root)
         self.cache: dict[tuple[int, ...], torch.Tensor] = {(): self.root_weights}
+        self.probs: dict[int, torch.Tensor] = {}  # k -> p_{k,z}(.) = exp(log p_{k,z}), made when first read
+
+    def p(self, k: int) -> torch.Tensor:
+        """p_{k,z}(.) for every component z. [r, V_d]"""
+        if k not in self.probs:
+            self.probs[k] = self.logp[k].exp()
+        return self.probs[k]
 
     def log_weights(self, prefix: tuple[int, ...]) -> torch.Tensor:
         """log w_z(prefix) ∝ log pi_z + log p_0z(root) + sum_j log p_{j,z}(x_j); prefix in V_d indices. [r]"""
@@ -142,14 +149,18 @@ class Circuit:
         return self.cache[prefix]
 
     def conditional(self, prefix: tuple[int, ...]) -> torch.Tensor:
-        """q_k(. | prefix) = sum_z w_z(prefix) p_{k,z}, k = len(prefix) + 1. [V_d]"""
-        w = self.log_weights(prefix)
-        return torch.logsumexp(w[:, None] + self.logp[len(prefix) + 1], dim=0).exp()
+        """q_k(. | prefix) = sum_z w_z(prefix) p_{k,z}, k = len(prefix) + 1. [V_d]
+
+        Summed in probability space, as the formula reads (a product of the r weights and the [r, V_d] rows): the
+        weights are normalised in log space and every term lies in [0, 1], so nothing over- or underflows that a
+        log-sum-exp over the components would keep, and it costs a matrix-vector product instead of a strided
+        reduction over r x V_d exponentials per node."""
+        return self.log_weights(prefix).exp() @ self.p(len(prefix) + 1)
 
     def marginals(self) -> torch.Tensor:
         """q_k(.) given only the root, for k = 1..K (the per-head heatmap). [K, V_d]"""
-        w = self.root_weights[None, :, None]
-        return torch.logsumexp(w + self.logp[1:], dim=1).exp()
+        w = self.root_weights.exp()
+        return torch.stack([w @ self.p(k) for k in range(1, self.logp.shape[0])])
 
     def sample_chain(self, depth: int, generator: torch.Generator) -> tuple[list[int], torch.Tensor]:
         """Ancestral sample x_1..x_depth from the joint; returns V_d indices and the rows q_k(. | x_<k). [depth, V_d]"""
@@ -164,7 +175,7 @@ class Circuit:
     def pairs(self, top: int = 6) -> tuple[list[tuple[int, int]], list[float], list[float]]:
         """Candidate pairs of the first two draft positions: joint sum_z w_z p_1z(a) p_2z(b) vs q_1(a) q_2(b)."""
         w = self.root_weights.exp()  # [r]
-        p1, p2 = self.logp[1].exp(), self.logp[2].exp()  # [r, V_d]
+        p1, p2 = self.p(1), self.p(2)  # [r, V_d]
         q1, q2 = w @ p1, w @ p2
         top = min(top, q1.numel())
         a, b = torch.topk(q1, top).indices, torch.topk(q2, top).indices

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from lab.engine.sampling import SamplingConfig, choose_token
+from lab.engine.sampling import SamplingConfig, choose_token, top_tokens
 from lab.speculative.draft import Draft
 
 RULES = ("greedy", "sample", "typical")
@@ -145,7 +145,7 @@ def accept_tree_sampled(draft: Draft, p: torch.Tensor, generator: torch.Generato
 
 def accept_greedy(draft: Draft, processed: torch.Tensor) -> Acceptance:
     """Exact greedy: follow the child equal to the target's argmax until none matches; emit that argmax."""
-    argmax = processed.argmax(dim=-1).tolist()  # [n + 1]: one host sync for the whole walk
+    argmax = top_tokens(processed, 1).ids[:, 0].tolist()  # [n + 1] argmaxes: one host sync for the whole walk
     path, node = [], -1
     while True:
         best = argmax[node + 1]

@@ -1,7 +1,9 @@
 """Trace events of a verified round, built from the draft, the processed target rows and the acceptance (plain
 Python values only, docs/architecture.md section 7): `draft_round` for chains (DraftRound, Leviathan et al. 2023's
 symbols) and `tree_round` for trees (TreeRound). The residual a recovered token was drawn from comes from the acceptance
-rule itself, never recomputed here."""
+rule itself, never recomputed here. Greedy rounds of a drafter without a distribution (prompt lookup) have one-hot p
+and q: their figures follow from two token ids per position, with no [n, V] tensors (`_one_hot_detail`). Equal values
+are listed by token id (`lab.engine.sampling.top_tokens`' order)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from lab.engine.sampling import SamplingConfig, target_distribution
+from lab.engine.sampling import SamplingConfig, target_distribution, top_tokens
 from lab.speculative.acceptance import Acceptance
 from lab.speculative.draft import Draft
 from lab.trace import DraftRound, TreeRound
@@ -27,24 +29,42 @@ def _q_rows(draft: Draft, p: torch.Tensor) -> torch.Tensor:
 
 
 def _top(values: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
-    top = torch.topk(values, min(k, values.shape[-1]))
-    pairs = [(t, x) for t, x in zip(top.indices.tolist(), top.values.tolist(), strict=True) if x > 0]
+    top = top_tokens(values, k)
+    pairs = [(t, x) for t, x in zip(top.ids[0].tolist(), top.logits[0].tolist(), strict=True) if x > 0]
     return [t for t, _ in pairs], [round(x, 6) for _, x in pairs]
 
 
-def _alternatives(p: torch.Tensor, q: torch.Tensor, text: Text) -> tuple[list, list, list]:
-    """Per drafted position: texts, p and q of the top tokens of p + q."""
-    if not q.shape[0]:
-        return [], [], []
-    columns = torch.topk(p + q, min(TOP_DETAIL, q.shape[-1]), dim=-1).indices  # [n, k]
+Detail = tuple[list, list, list, list, list]  # q_i(x_i), p_i(x_i), and per position: alternatives' ids, p, q
+
+
+def _dense_detail(draft: Draft, processed: torch.Tensor, config: SamplingConfig) -> Detail:
+    """q_i(x_i), p_i(x_i) and the top tokens of p + q per drafted position, from the [n, V] distributions."""
+    n = draft.size
+    p = target_distribution(processed[:n], config)  # [n, V], one-hot argmax in greedy mode
+    q = _q_rows(draft, p)
+    index = torch.tensor(draft.tokens, dtype=torch.long, device=p.device)[:, None]
+    columns = top_tokens(p + q, TOP_DETAIL).ids  # [n, k]
     rows_p, rows_q = p.gather(1, columns).tolist(), q.gather(1, columns).tolist()
-    texts, alt_p, alt_q = [], [], []
+    alt_ids, alt_p, alt_q = [], [], []
     for row, row_p, row_q in zip(columns.tolist(), rows_p, rows_q, strict=True):
         kept = [(t, a, b) for t, a, b in zip(row, row_p, row_q, strict=True) if a + b > 0]
-        texts.append([text(t) for t, _, _ in kept])
-        alt_p.append([round(a, 6) for _, a, _ in kept])
-        alt_q.append([round(b, 6) for _, _, b in kept])
-    return texts, alt_p, alt_q
+        alt_ids.append([t for t, _, _ in kept])
+        alt_p.append([a for _, a, _ in kept])
+        alt_q.append([b for _, _, b in kept])
+    return q.gather(1, index)[:, 0].tolist(), p.gather(1, index)[:, 0].tolist(), alt_ids, alt_p, alt_q
+
+
+def _one_hot_detail(draft: Draft, processed: torch.Tensor) -> Detail:
+    """`_dense_detail` of a greedy round whose drafter gave no distribution: p_i is one-hot at the argmax b_i and
+    q_i at the draft token x_i, so p + q is 2 at x_i = b_i, else 1 at both (listed by id)."""
+    best = top_tokens(processed[: draft.size], 1).ids[:, 0].tolist()
+    alt_ids, alt_p, alt_q = [], [], []
+    for b, x in zip(best, draft.tokens, strict=True):
+        ids = [x] if b == x else sorted((b, x))
+        alt_ids.append(ids)
+        alt_p.append([float(t == b) for t in ids])
+        alt_q.append([float(t == x) for t in ids])
+    return [1.0] * draft.size, [float(b == x) for b, x in zip(best, draft.tokens, strict=True)], alt_ids, alt_p, alt_q
 
 
 def draft_round(
@@ -52,25 +72,26 @@ def draft_round(
     acc: Acceptance, text: Text, times: tuple[float, float],
 ) -> DraftRound:  # fmt: skip
     """The DraftRound of one verified chain: q_i(x_i), p_i(x_i), u_i, what was kept, residual top, alternatives."""
-    n = draft.size
-    p = target_distribution(processed[:n], config)  # [n, V], one-hot argmax in greedy mode
-    q = _q_rows(draft, p)
-    index = torch.tensor(draft.tokens, dtype=torch.long, device=p.device)[:, None]
+    if not draft.size:
+        q_x, p_x, alt_ids, alt_p, alt_q = [], [], [], [], []
+    elif config.greedy and draft.q is None:
+        q_x, p_x, alt_ids, alt_p, alt_q = _one_hot_detail(draft, processed)
+    else:
+        q_x, p_x, alt_ids, alt_p, alt_q = _dense_detail(draft, processed, config)
     residual_ids, residual_probs = [], []
     if acc.recovered is not None:
         residual = acc.residual if acc.residual is not None else target_distribution(processed[len(acc.path)], config)
         residual_ids, residual_probs = _top(residual, TOP_DETAIL)
-    alt_texts, alt_p, alt_q = _alternatives(p, q, text)
     final = acc.next_token
     return DraftRound(
         step=step, drafter=drafter, gamma=gamma, draft_tokens=list(draft.tokens),
         draft_texts=[text(t) for t in draft.tokens],
-        q=[round(x, 6) for x in q.gather(1, index)[:, 0].tolist()] if n else [],
-        p=[round(x, 6) for x in p.gather(1, index)[:, 0].tolist()] if n else [],
+        q=[round(x, 6) for x in q_x], p=[round(x, 6) for x in p_x],
         uniforms=[round(u, 6) for u in acc.uniforms], accepted=len(acc.accepted), recovered=acc.recovered,
         bonus=acc.bonus, final_text=text(final) if final is not None else "", residual_top_ids=residual_ids,
         residual_top_texts=[text(t) for t in residual_ids], residual_top_probs=residual_probs,
-        alt_texts=alt_texts, alt_p=alt_p, alt_q=alt_q, draft_s=round(times[0], 6), verify_s=round(times[1], 6),
+        alt_texts=[[text(t) for t in row] for row in alt_ids], alt_p=[[round(x, 6) for x in row] for row in alt_p],
+        alt_q=[[round(x, 6) for x in row] for row in alt_q], draft_s=round(times[0], 6), verify_s=round(times[1], 6),
     )  # fmt: skip
 
 
@@ -82,10 +103,12 @@ def tree_round(
     parents, depths = draft.tree_parents, draft.depths
     p = []
     if draft.size:
+        parent_rows = sorted({x + 1 for x in parents})  # the log-sum-exp of the rows some node is drawn from
+        lse = torch.logsumexp(processed[parent_rows], dim=-1)  # [parents]
         rows = torch.tensor([x + 1 for x in parents], dtype=torch.long, device=processed.device)
+        at = torch.tensor([parent_rows.index(x + 1) for x in parents], dtype=torch.long, device=processed.device)
         columns = torch.tensor(draft.tokens, dtype=torch.long, device=processed.device)
-        lse = torch.logsumexp(processed, dim=-1)  # [n + 1]
-        p = (processed[rows, columns] - lse[rows]).exp().tolist()
+        p = (processed[rows, columns] - lse[at]).exp().tolist()
     top_ids, top_probs = draft.top_ids or [], draft.top_probs or []
     next_token = acc.next_token if acc.next_token is not None else draft.tokens[acc.path[-1]]
     return TreeRound(
