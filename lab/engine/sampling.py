@@ -125,10 +125,11 @@ class TopTokens:
 def top_tokens(logits: torch.Tensor, k: int) -> TopTokens:
     """The top k of each row of `logits` [R, V] (or of one row [V], as R = 1), in `TopTokens`' order.
 
-    A decoding round reads the greedy token and the alternatives a trace shows from the target's rows; ATen's
-    argmax and topk cost 40-90 us each on a 49,152-token row on a CPU. The native op (lab/engine/native/row_top.cpp)
-    finds them in one vectorized pass; elsewhere (op not built, a GPU) ATen's topk finds the k-th value, and the ids
-    ranking at or above it (more than k only on a tie at the k-th) are put in the order above."""
+    A decoding round reads the greedy token and the alternatives a trace shows from the target's rows; on a CPU
+    ATen's argmax and topk are two more passes over each row (topk a partial sort). The native op
+    (lab/engine/native/row_top.cpp) finds both in one vectorized pass; elsewhere (op not built, a GPU) ATen's topk
+    finds the k-th value, and the ids ranking at or above it (more than k only on a tie at the k-th) are put in the
+    order above."""
     rows = logits.reshape(1, -1) if logits.dim() == 1 else logits
     k = min(k, rows.shape[-1])
     if rows.device.type == "cpu" and rows.dtype == torch.float32 and native_forward.available():

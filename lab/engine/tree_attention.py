@@ -49,8 +49,8 @@ def build_tree_attention(parents: list[int]) -> TreeAttention:
     for i, parent in enumerate(parents):
         if not -1 <= parent < i:
             raise ValueError(f"parents[{i}] = {parent}: a parent must be -1 or an earlier node")
-    seen: list[list[int]] = []  # per node: its ancestors and itself, root side first (plain lists: a verify round
-    depth: list[int] = []  # builds one tree, and per-element tensor indexing costs microseconds an element)
+    seen: list[list[int]] = []  # per node: its ancestors and itself, root side first (plain lists: every verify
+    depth: list[int] = []  # round builds a tree, and tensor indexing element by element was most of its cost)
     for i, parent in enumerate(parents):
         seen.append((seen[parent] if parent >= 0 else []) + [i])
         depth.append(len(seen[i]) - 1)

@@ -1,6 +1,6 @@
 // The k largest logits of each row of a [R, V] float32 matrix in one pass over the row: what a decoding round reads
-// of the target's rows (the greedy token, the alternatives a trace shows), without ATen's topk and argmax, which
-// cost 40-90 us each on a 49,152-token row (a partial sort per row, a scalar scan) against a few microseconds here.
+// of the target's rows (the greedy token, the alternatives a trace shows), without ATen's topk and argmax (a partial
+// sort per row and a separate scan; docs/benchmarks.md has what each costs on a 49,152-token row).
 //
 // The order is a definition, the same in every variant: by value, largest first, a NaN above every number (as
 // torch.topk and torch.argmax rank it), and equal values by their index, lowest first. So ids[r, 0] is
