@@ -79,6 +79,7 @@ def test_top_tokens_with_and_without_the_op(monkeypatch, native: bool) -> None:
         ids, values = _sorted_first(rows, 8)
         top = top_tokens(rows, 8)
         assert torch.equal(top.ids, ids) and _same(top.logits, values)
+        assert torch.equal(top_tokens(rows.reshape(2, 2, 300), 8).ids, ids)  # leading dims flattened
     one = top_tokens(torch.tensor([0.5, 2.0, 2.0, -1.0]), 3)  # one row [V]; k above V is cut to V below
     assert one.ids.tolist() == [[1, 2, 0]]
     assert top_tokens(torch.tensor([[0.5, 2.0]]), 5).ids.tolist() == [[1, 0]]
@@ -90,6 +91,7 @@ def test_choose_token_and_the_greedy_distribution_follow_argmax() -> None:
     one_hot = sampling.target_distribution(rows, GREEDY)
     assert torch.equal(one_hot.argmax(-1), rows.argmax(-1)) and torch.equal(one_hot.sum(-1), torch.ones(5))
     assert torch.equal(sampling.target_distribution(rows[0], GREEDY), one_hot[0])
+    assert torch.equal(sampling.target_distribution(rows[:4].reshape(2, 2, 64), GREEDY), one_hot[:4].reshape(2, 2, 64))
 
 
 def test_a_greedy_rounds_one_hot_detail_equals_the_dense_one() -> None:

@@ -123,14 +123,15 @@ class TopTokens:
 
 
 def top_tokens(logits: torch.Tensor, k: int) -> TopTokens:
-    """The top k of each row of `logits` [R, V] (or of one row [V], as R = 1), in `TopTokens`' order.
+    """The top k of each row of `logits` [..., V] (leading dims flattened: one row [V] gives R = 1), in `TopTokens`'
+    order.
 
     A decoding round reads the greedy token and the alternatives a trace shows from the target's rows; on a CPU
     ATen's argmax and topk are two more passes over each row (topk a partial sort). The native op
     (lab/engine/native/row_top.cpp) finds both in one vectorized pass; elsewhere (op not built, a GPU) ATen's topk
     finds the k-th value, and the ids ranking at or above it (more than k only on a tie at the k-th) are put in the
     order above."""
-    rows = logits.reshape(1, -1) if logits.dim() == 1 else logits
+    rows = logits.reshape(-1, logits.shape[-1])
     k = min(k, rows.shape[-1])
     if rows.device.type == "cpu" and rows.dtype == torch.float32 and native_forward.available():
         ids, values = torch.ops.decoding_lab.row_top(rows, k)
