@@ -76,10 +76,17 @@ def test_top_tokens_with_and_without_the_op(monkeypatch, native: bool) -> None:
         rows = _rows(seed, 4, 300)
         if seed == 0:
             rows[0, :] = 2.0  # more than k tied at the k-th value
+            rows[1, :] = float("-inf")  # three finite values, then a tie of the rest (top-k filtering)
+            rows[1, [7, 90, 250]] = torch.tensor([1.0, 3.0, 1.0])
+            rows[2, :] = float("nan")  # a NaN k-th
         ids, values = _sorted_first(rows, 8)
         top = top_tokens(rows, 8)
         assert torch.equal(top.ids, ids) and _same(top.logits, values)
         assert torch.equal(top_tokens(rows.reshape(2, 2, 300), 8).ids, ids)  # leading dims flattened
+    distinct = torch.randn(3, 300, generator=torch.Generator().manual_seed(1))
+    distinct[0, [20, 10]] = 9.0  # a tie inside the top k only
+    assert torch.equal(top_tokens(distinct, 8).ids, _sorted_first(distinct, 8)[0])
+    assert torch.equal(top_tokens(distinct, 1).ids[:, 0], distinct.argmax(-1))
     one = top_tokens(torch.tensor([0.5, 2.0, 2.0, -1.0]), 3)  # one row [V]; k above V is cut to V below
     assert one.ids.tolist() == [[1, 2, 0]]
     assert top_tokens(torch.tensor([[0.5, 2.0]]), 5).ids.tolist() == [[1, 0]]

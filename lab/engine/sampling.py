@@ -128,21 +128,31 @@ def top_tokens(logits: torch.Tensor, k: int) -> TopTokens:
 
     A decoding round reads the greedy token and the alternatives a trace shows from the target's rows; on a CPU
     ATen's argmax and topk are two more passes over each row (topk a partial sort). The native op
-    (lab/engine/native/row_top.cpp) finds both in one vectorized pass; elsewhere (op not built, a GPU) ATen's topk
-    finds the k-th value, and the ids ranking at or above it (more than k only on a tie at the k-th) are put in the
-    order above."""
+    (lab/engine/native/row_top.cpp) finds both in one vectorized pass. Elsewhere (op not built, a GPU): k = 1 is
+    torch.argmax; otherwise ATen's topk, its k ids put in this order, unless the k-th value also lies outside them
+    (a tie across the cut, e.g. -inf after top-k filtering, or a NaN k-th): then the ids ranking above the k-th are
+    sorted and the lowest ids equal to it fill the rest."""
     rows = logits.reshape(-1, logits.shape[-1])
     k = min(k, rows.shape[-1])
     if rows.device.type == "cpu" and rows.dtype == torch.float32 and native_forward.available():
         ids, values = torch.ops.decoding_lab.row_top(rows, k)
         return TopTokens(ids, values)
-    kth = torch.topk(rows, k, dim=-1).values[:, -1:]  # NaN ranks highest here too
-    candidates = rows.isnan() | (rows >= kth)  # a NaN k-th: the NaNs alone
+    if k == 1:
+        ids = rows.argmax(-1, keepdim=True)  # the first maximal id, a NaN first
+        return TopTokens(ids, rows.gather(1, ids))
+    values, ids = torch.topk(rows, k, dim=-1)
+    kth = values[:, -1:]
+    if not kth.isnan().any() and torch.equal((rows == kth).sum(-1), (values == kth).sum(-1)):
+        ids = ids.sort(dim=-1).values  # by id, then stably by value: equal values keep id order
+        ids = ids.gather(1, torch.sort(rows.gather(1, ids), dim=-1, descending=True, stable=True).indices)
+        return TopTokens(ids, rows.gather(1, ids))
+    above = (rows.isnan() & ~kth.isnan()) | (rows > kth)
+    tied = (rows == kth) | (rows.isnan() & kth.isnan())
     ids = []
-    for row, keep in zip(rows, candidates, strict=True):
-        index = keep.nonzero()[:, 0]  # ascending ids
-        order = torch.sort(row[index], descending=True, stable=True).indices[:k]
-        ids.append(index[order])
+    for row, higher, equal in zip(rows, above, tied, strict=True):
+        index = higher.nonzero()[:, 0]  # ascending ids
+        first = index[torch.sort(row[index], descending=True, stable=True).indices]
+        ids.append(torch.cat([first, equal.nonzero()[: k - first.numel(), 0]]))
     ids = torch.stack(ids)
     return TopTokens(ids, rows.gather(1, ids))
 
