@@ -19,6 +19,8 @@ from lab.engine.lean_forward import lean_forward
 from lab.engine.models import load_model, wrap_model
 from lab.engine.quant import Int8Linear, quantize_model
 from lab.engine.tree_attention import build_tree_attention
+from lab.heads.eagle import EagleCache, build_head, serving_head
+from lab.heads.eagle3 import build_eagle3, head_config, vocab_maps
 from tests.test_lean_forward import _forwards
 from tests.tiny import ByteTokenizer, tiny_llama
 
@@ -318,3 +320,61 @@ def test_decode_steps_without_the_op_step_each_sequence(monkeypatch) -> None:
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     with pytest.raises(ValueError, match="one token per sequence"):
         runtime.decode_steps([], [])
+
+
+def _draft_heads(precision: str):
+    """A bf16 tiny target at `precision` and its EAGLE-1 and EAGLE-3 heads (random weights), served as
+    lab.heads.eagle.serving_head serves them (low-bit linears: the op's draft_layer takes them)."""
+    model = tiny_llama(3, layers=8, hidden=64).to(torch.bfloat16)
+    quantize_model(model, precision, torch.bfloat16)
+    target = wrap_model(model, ByteTokenizer())
+    torch.manual_seed(0)
+    draft_vocab = torch.sort(torch.randperm(256)[:48]).values
+    eagle3 = build_eagle3(head_config(model.config, 48), model.get_input_embeddings())
+    for name, value in zip(("d2t", "t2d"), vocab_maps(draft_vocab, 256), strict=True):
+        getattr(eagle3, name).copy_(value)
+    eagle1 = build_head(target, draft_vocab)
+    with torch.no_grad():  # the layer's weights away from the identity init, so the test sees the attention
+        for parameter in eagle1.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter.float()).to(parameter.dtype))
+    heads = {"eagle1": eagle1, "eagle3": eagle3.to(torch.bfloat16).eval()}
+    return target, {kind: serving_head(head, target) for kind, head in heads.items()}
+
+
+def _drafting(head, width: int, native: bool, monkeypatch):
+    """A head's drafting calls as lab.speculative.proposers.eagle makes them: the prompt's pairs, two committed
+    pairs, a tree step of three nodes (two siblings and a child); returns their outputs and the cache."""
+    monkeypatch.setenv(native_forward.SWITCH, "1" if native else "0")
+    generator = torch.Generator().manual_seed(1)
+    features = torch.randn(9, width, generator=generator).to(torch.bfloat16)
+    own = torch.randn(3, 64, generator=generator).to(torch.bfloat16)
+    cache = EagleCache(head)
+    outputs = [cache.extend(features[:6], [5, 9, 2, 7, 1, 3], 0)]
+    outputs.append(cache.extend(features[6:8], [4, 8], 6))
+    outputs.append(cache.tree_step(own, [11, 12, 13], [8, 8, 9], [0, 1, 2], [set(), set(), {0}]))
+    return outputs, cache.cache.layers[0]
+
+
+@pytest.mark.parametrize("precision", ["w4a8", "int4"])
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_a_draft_heads_layer_runs_as_one_call(kind, precision, monkeypatch) -> None:
+    """A served draft head's layer (EAGLE-1's, EAGLE-3's `midlayer`) takes the op's draft_layer after the prompt:
+    its keys and values are the Python layer's bit for bit (the same products and rotary embedding), its outputs
+    the Python layer's up to the attention's rounding (the op's exact float64 attention where the Python layer
+    runs SDPA); a float head, and every head with the switch off, keep the Python layer."""
+    _, heads = _draft_heads(precision)
+    head = heads[kind]
+    width = head.fc.in_features if kind == "eagle3" else 64
+    calls: list[int] = []
+    real = torch.ops.decoding_lab.draft_layer
+    monkeypatch.setattr(torch.ops.decoding_lab, "draft_layer", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    native, native_kv = _drafting(head, width, True, monkeypatch)
+    assert calls == [2, 3]  # the prompt's pairs fill the empty cache in Python (as a target's prefill)
+    python, python_kv = _drafting(head, width, False, monkeypatch)
+    assert calls == [2, 3]
+    assert torch.equal(native_kv.keys, python_kv.keys) and torch.equal(native_kv.values, python_kv.values)
+    for a, b in zip(native, python, strict=True):
+        assert a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=0.02 * b.float().abs().max().item())
+    bf16 = wrap_model(tiny_llama(3, layers=8, hidden=64).to(torch.bfloat16), ByteTokenizer())
+    _drafting(build_head(bf16, torch.arange(48)), 64, True, monkeypatch)  # float linears: the Python layer
+    assert calls == [2, 3]

@@ -34,8 +34,11 @@ Without a compiler, or when the build fails, they keep it for good, after one wa
 `decode_steps` runs B one-token decode steps of B sequences, each with its own cache and position, as one call of
 the same op (`lab.engine.runtime.decode_steps`, which `lab distill` uses): the products take all B rows at once
 and each sequence's attention runs over its own cache, so row b is that sequence's own decode step bit for bit.
-`DECODING_LAB_NATIVE_FORWARD=0` turns the op off. Prefill, padded batches, float32 and CUDA models, and models
-with other modules (adapters, other linears) keep `lab.engine.lean_forward`'s Python loop.
+`draft_layer` runs the one decoder layer of an EAGLE draft head served at a low-bit precision (EAGLE-1's layer,
+EAGLE-3's `midlayer`, whose q / k / v read [norm(e); norm(g)]) as one call of the op's `draft_layer`, with the same
+steps as a target layer and the head's cache extended in place: the drafts move only by its exact attention's
+rounding against SDPA. `DECODING_LAB_NATIVE_FORWARD=0` turns the op off. Prefill, padded batches, float32 and CUDA
+models, and models with other modules (adapters, other linears) keep `lab.engine.lean_forward`'s Python loop.
 """
 
 from __future__ import annotations
@@ -257,25 +260,31 @@ def _sources(model) -> tuple:
     return tuple(out)
 
 
+def _layer_linears(layer: nn.Module, params: list, spec: list) -> bool:
+    """Append a decoder layer's q / k / v group, o_proj, gate / up group (then the gate's size) and down_proj as
+    decoder_layers.cpp's `project` and `finish_layer` read them; False where a module is not one the op runs."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(mlp.act_fn) not in (SiLUActivation, nn.SiLU):
+        return False
+    if not _group(attn, ("q_proj", "k_proj", "v_proj"), params, spec) or not _linear(attn.o_proj, params, spec):
+        return False
+    if not _group(mlp, ("gate_proj", "up_proj"), params, spec):
+        return False
+    spec.append(mlp.gate_proj.out_features)
+    return _linear(mlp.down_proj, params, spec)
+
+
 def _build_plan(model, sources: tuple) -> _Plan | None:
     decoder = model.model
     eps = decoder.norm.variance_epsilon
     params: list = []
     spec: list = []
     for layer in decoder.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if type(mlp.act_fn) not in (SiLUActivation, nn.SiLU):
-            return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(norm.variance_epsilon != eps for norm in norms):
             return None
         params += [norm.weight for norm in norms]
-        if not _group(attn, ("q_proj", "k_proj", "v_proj"), params, spec) or not _linear(attn.o_proj, params, spec):
-            return None
-        if not _group(mlp, ("gate_proj", "up_proj"), params, spec):
-            return None
-        spec.append(mlp.gate_proj.out_features)
-        if not _linear(mlp.down_proj, params, spec):
+        if not _layer_linears(layer, params, spec):
             return None
     params.append(decoder.norm.weight)
     return _Plan(sources, params, [int(v) for v in spec], float(eps))
@@ -394,6 +403,73 @@ def decode_steps(model, embeds: torch.Tensor, caches: list, position_embeddings)
             entry = layer * batch + row
             kv.layers[layer].keys, kv.layers[layer].values = keys[entry], values[entry]
     return normed
+
+
+def _draft_sources(layer: nn.Module) -> tuple:
+    """`_sources` of one draft-head layer: its post-attention norm's weight and its linears and activation."""
+    parts = layer._modules
+    attn, mlp = parts["self_attn"]._modules, parts["mlp"]._modules
+    return (
+        parts["post_attention_layernorm"]._parameters["weight"],
+        *(attn[name] for name in ("q_proj", "k_proj", "v_proj", "o_proj")),
+        *(mlp[name] for name in ("gate_proj", "up_proj", "down_proj", "act_fn")),
+    )
+
+
+def _draft_plan(layer: nn.Module) -> _Plan | None:
+    sources = _draft_sources(layer)
+    plan = layer.__dict__.get("_lab_native_plan")
+    if plan is None or any(a is not b for a, b in zip(plan.sources, sources, strict=True)):
+        norm = layer.post_attention_layernorm
+        params, spec = [norm.weight], []
+        taken = _layer_linears(layer, params, spec)
+        plan = _Plan(sources, params if taken else [], [int(v) for v in spec], float(norm.variance_epsilon))
+        layer.__dict__["_lab_native_plan"] = plan
+    return plan if plan.params else None
+
+
+def draft_layer(layer: nn.Module, residual, attention_input, cache, position_embeddings, mask) -> torch.Tensor | None:
+    """The output [1, T, H] of a draft head's decoder layer (an EAGLE-1 layer, whose input norm is the identity, or
+    EAGLE-3's `midlayer`) as one call of the op's `draft_layer`, or None when the op does not take it (the caller
+    runs the layer in Python): q / k / v of `attention_input` [1, T, A], the residual stream `residual` [1, T, H],
+    the head's `cache` (a DynamicCache already holding the committed pairs) extended in place, the boolean `mask`
+    [1, 1, T, S + T] (None: causal). Taken on a CPU in bf16 / fp16 when every linear of the layer is one the op runs
+    (a head served at a low-bit precision, `lab.heads.eagle.serving_head`); a float head keeps the Python layer.
+    The attention is the op's exact float64 attention where the Python layer runs SDPA: the draft distribution
+    moves by that rounding, verification (and so the output) does not."""
+    if os.environ.get(SWITCH, "1") == "0" or residual.device.type != "cpu" or residual.dtype not in invariance.REDUCED:
+        return None
+    if residual.shape[0] != 1 or type(cache) is not DynamicCache or not available():
+        return None
+    attn = layer.self_attn
+    kv = cache.layers[attn.layer_idx]
+    if type(kv) is not DynamicLayer or not kv.is_initialized or kv.keys.dim() != 4 or kv.keys.dtype != residual.dtype:
+        return None
+    plan = _draft_plan(layer)
+    if plan is None:
+        return None
+    config = attn.config
+    tokens = residual.shape[1]
+    hidden_keys = invariance._hidden_keys(mask, tokens, kv.keys.shape[-2] + tokens)
+    cos, sin = position_embeddings
+    out, kv.keys, kv.values = torch.ops.decoding_lab.draft_layer(
+        residual,
+        attention_input,
+        kv.keys,
+        kv.values,
+        cos,
+        sin,
+        hidden_keys,
+        plan.params,
+        plan.spec,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        attn.head_dim,
+        float(attn.scaling),
+        plan.eps,
+        lanes(),
+    )
+    return out
 
 
 if __name__ == "__main__":  # `python -m lab.engine.native_forward`: build the op ahead of first use

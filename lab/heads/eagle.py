@@ -37,6 +37,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+from lab.engine import native_forward
 from lab.engine.lean_forward import attention_interface, layer_forward
 from lab.engine.models import LoadedModel
 from lab.engine.quant import Int8Linear, W8A8Linear, quantize_linears, quantized_head
@@ -97,8 +98,13 @@ class EagleHead(nn.Module):
         if mask is None and cache is None and x.shape[1] > 1:
             mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()[None, None]
         if cache is not None and not self.training and type(self.layer) is LlamaDecoderLayer:  # drafting: the
-            # same ops as the module call, without its dispatch (lab.engine.lean_forward; other targets' layer classes
-            # keep their own forward)
+            # layer as one call of the op on a low-bit CPU head (lab.engine.native_forward.draft_layer; no input norm:
+            # q / k / v read x itself), else the same ops as the module call without its dispatch
+            # (lab.engine.lean_forward; other targets' layer classes keep their own forward)
+            if type(self.layer.input_layernorm) is nn.Identity:
+                out = native_forward.draft_layer(self.layer, x, x, cache, rotary, mask)
+                if out is not None:
+                    return out
             return layer_forward(self.layer, x, rotary, mask, cache, attention_interface(self.config))
         out = self.layer(
             x, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None,

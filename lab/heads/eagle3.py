@@ -39,6 +39,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from lab.engine import native_forward
 from lab.engine.lean_forward import attention_block, attention_interface, mlp_block
 
 KIND = "eagle3"
@@ -124,7 +125,11 @@ class Eagle3Layer(nn.Module):
         if self.norm_before_residual:  # speculators' option: the residual is the normalised g
             residual = hidden
         attn_in = torch.cat([self.input_layernorm(embeds), hidden], dim=-1)  # [B, T, 2H]
-        if cache is not None and not self.training:  # drafting: the same ops without the modules' dispatch
+        if cache is not None and not self.training:  # drafting: one call of the op on a low-bit CPU head
+            # (lab.engine.native_forward.draft_layer), else the same ops without the modules' dispatch
+            out = native_forward.draft_layer(self, residual, attn_in, cache, rotary, mask)
+            if out is not None:
+                return out
             interface = attention_interface(self.self_attn.config)
             u = residual + attention_block(self.self_attn, attn_in, rotary, mask, cache, interface)
             return u + mlp_block(self.mlp, self.post_attention_layernorm.forward(u))

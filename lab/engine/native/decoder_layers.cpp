@@ -546,6 +546,35 @@ static at::Tensor sequences_attention(const at::Tensor& query, const at::Tensor&
   return at::cat(attended, 0);
 }
 
+// The query, key and value of a layer's attention input [B, T, *] (the q / k / v products, joined or not, then the
+// rotary embedding on the query and key heads): query [B, heads, T, d], key / value [B, kv_heads, T, d].
+struct Projected {
+  at::Tensor query, key, value;
+};
+
+Projected project(Reader& in, const at::Tensor& normed, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                  int64_t kv_heads, int64_t head_dim, int64_t lanes) {
+  const int64_t batch = normed.size(0), tokens = normed.size(1);
+  at::Tensor states = joined(in, normed).view({batch, tokens, -1, head_dim}).transpose(1, 2);
+  const int64_t rotated = heads + kv_heads;  // query heads, then key heads, then value heads
+  at::Tensor query_key = rotary_step(states.slice(1, 0, rotated), cos, sin, lanes);
+  return {query_key.slice(1, 0, heads), query_key.slice(1, heads, rotated),
+          states.slice(1, rotated, std::numeric_limits<int64_t>::max())};
+}
+
+// The rest of a layer after its attention [B, T, heads, d]: residual + o_proj(attended), then that plus the MLP
+// (LlamaMLP.forward with SiLU, as lab.engine.lean_forward._mlp) of its post-attention norm.
+at::Tensor finish_layer(Reader& in, const at::Tensor& residual, const at::Tensor& attended,
+                        const at::Tensor& post_norm, double eps, int64_t lanes) {
+  const int64_t batch = residual.size(0), tokens = residual.size(1);
+  at::Tensor hidden =
+      combine_step<false>(residual, linear(in, attended.reshape({batch, tokens, -1}).contiguous()), lanes);
+  at::Tensor gate_up = joined(in, norm_step(hidden, post_norm, eps, lanes));
+  const int64_t intermediate = in.integer();  // the gate's output size
+  std::vector<at::Tensor> halves = gate_up.split_with_sizes({intermediate, gate_up.size(-1) - intermediate}, -1);
+  return combine_step<false>(hidden, linear(in, combine_step<true>(at::silu(halves[0]), halves[1], lanes)), lanes);
+}
+
 // hidden [B, T, H] (the embeddings of B sequences); past keys / values [1, kv_heads, P_b, d] per layer and sequence,
 // layer-major (entry l * B + b); cos / sin [B, T, d]; hidden_keys [T, P + T] bool or None (lab.engine.invariance.
 // _hidden_keys; B = 1 only: B > 1 is a batch of decode steps, each row seeing its whole cache). Returns the
@@ -557,46 +586,60 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>, std::ve
     at::IntArrayRef spec, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling, double eps,
     bool record, int64_t lanes) {
   Reader in{params, spec};
-  const int64_t batch = embeds.size(0), tokens = embeds.size(1);
+  const int64_t batch = embeds.size(0);
   TORCH_CHECK(batch >= 1 && static_cast<int64_t>(past_keys.size()) % batch == 0 &&
                   past_keys.size() == past_values.size(),
               "decoder_layers: past keys / values per layer and sequence");
   TORCH_CHECK(batch == 1 || !hidden_keys.has_value(), "decoder_layers: a hidden-key mask takes one sequence");
   const int64_t layers = static_cast<int64_t>(past_keys.size()) / batch;
-  const int64_t rotated = heads + kv_heads;  // query heads, then key heads, then value heads
   std::vector<at::Tensor> keys(layers * batch), values(layers * batch), recorded;
   at::Tensor hidden = embeds;
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor& input_norm = in.tensor();
     const at::Tensor& post_norm = in.tensor();
-    // attention (LlamaAttention.forward at inference, as lab.engine.lean_forward._attention)
-    at::Tensor normed = norm_step(hidden, input_norm, eps, lanes);
-    at::Tensor states = joined(in, normed).view({batch, tokens, -1, head_dim}).transpose(1, 2);
-    at::Tensor qk = states.slice(1, 0, rotated);
-    at::Tensor query_key = rotary_step(qk, cos, sin, lanes);
-    at::Tensor query = query_key.slice(1, 0, heads);
-    at::Tensor key = query_key.slice(1, heads, std::numeric_limits<int64_t>::max());
-    at::Tensor value = states.slice(1, rotated, std::numeric_limits<int64_t>::max());
+    // attention (LlamaAttention.forward at inference, as lab.engine.lean_forward._attention), then the MLP
+    const at::Tensor normed = norm_step(hidden, input_norm, eps, lanes);
+    const Projected p = project(in, normed, cos, sin, heads, kv_heads, head_dim, lanes);
     at::Tensor attended;
     if (batch == 1) {
-      keys[l] = extend_cache(past_keys[l], key);
-      values[l] = extend_cache(past_values[l], value);
-      attended = exact_attention(query, keys[l], values[l], hidden_keys, scaling, lowbit::kBest);
+      keys[l] = extend_cache(past_keys[l], p.key);
+      values[l] = extend_cache(past_values[l], p.value);
+      attended = exact_attention(p.query, keys[l], values[l], hidden_keys, scaling, lowbit::kBest);
     } else {
-      attended = sequences_attention(query, key, value, past_keys, past_values, l * batch, keys, values, scaling);
+      attended =
+          sequences_attention(p.query, p.key, p.value, past_keys, past_values, l * batch, keys, values, scaling);
     }
-    hidden = combine_step<false>(hidden, linear(in, attended.reshape({batch, tokens, -1}).contiguous()), lanes);
-    // MLP (LlamaMLP.forward with SiLU, as lab.engine.lean_forward._mlp)
-    at::Tensor mlp_in = norm_step(hidden, post_norm, eps, lanes);
-    at::Tensor gate_up = joined(in, mlp_in);
-    const int64_t intermediate = in.integer();  // the gate's output size
-    std::vector<at::Tensor> halves = gate_up.split_with_sizes({intermediate, gate_up.size(-1) - intermediate}, -1);
-    hidden = combine_step<false>(hidden, linear(in, combine_step<true>(at::silu(halves[0]), halves[1], lanes)), lanes);
+    hidden = finish_layer(in, hidden, attended, post_norm, eps, lanes);
     if (record) recorded.push_back(hidden);
   }
   const at::Tensor& final_norm = in.tensor();
   TORCH_CHECK(in.p == params.size() && in.s == spec.size(), "decoder_layers: spec and parameters disagree");
   return {norm_step(hidden, final_norm, eps, lanes), keys, values, recorded};
+}
+
+// One decoder layer of a draft head (lab.heads.eagle's EAGLE-1 layer, lab.heads.eagle3's EAGLE-3 `midlayer`) for
+// one sequence, as decoder_layers runs a target layer but with the attention's input given: q / k / v of
+// `attention_input` [1, T, A] (EAGLE-1: the layer's input itself, its input norm being the identity; EAGLE-3:
+// [norm(e); norm(g)], 2H wide), the residual stream `residual` [1, T, H], the past keys / values [1, kv_heads, S, d]
+// extended in place as decoder_layers does, hidden_keys [T, S + T] bool or None. Parameters: the post-attention
+// norm's weight, then the linears as for a target layer. Returns the layer's output [1, T, H] and the extended keys
+// and values.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_layer(
+    const at::Tensor& residual, const at::Tensor& attention_input, const at::Tensor& past_key,
+    const at::Tensor& past_value, const at::Tensor& cos, const at::Tensor& sin,
+    const c10::optional<at::Tensor>& hidden_keys, at::TensorList params, at::IntArrayRef spec, int64_t heads,
+    int64_t kv_heads, int64_t head_dim, double scaling, double eps, int64_t lanes) {
+  TORCH_CHECK(residual.dim() == 3 && residual.size(0) == 1 && attention_input.dim() == 3 &&
+                  attention_input.size(0) == 1 && attention_input.size(1) == residual.size(1),
+              "draft_layer: residual [1, T, H] and attention input [1, T, A] of one sequence");
+  Reader in{params, spec};
+  const at::Tensor& post_norm = in.tensor();
+  const Projected p = project(in, attention_input, cos, sin, heads, kv_heads, head_dim, lanes);
+  at::Tensor keys = extend_cache(past_key, p.key), values = extend_cache(past_value, p.value);
+  at::Tensor attended = exact_attention(p.query, keys, values, hidden_keys, scaling, lowbit::kBest);
+  at::Tensor out = finish_layer(in, residual, attended, post_norm, eps, lanes);
+  TORCH_CHECK(in.p == params.size() && in.s == spec.size(), "draft_layer: spec and parameters disagree");
+  return {out, keys, values};
 }
 
 TORCH_LIBRARY(decoding_lab, m) {
@@ -605,6 +648,11 @@ TORCH_LIBRARY(decoding_lab, m) {
       "Tensor? hidden_keys, Tensor[] params, int[] spec, int heads, int kv_heads, int head_dim, float scaling, "
       "float eps, bool record, int lanes) -> (Tensor, Tensor[], Tensor[], Tensor[])",
       &decoder_layers);
+  m.def(
+      "draft_layer(Tensor residual, Tensor attention_input, Tensor past_key, Tensor past_value, Tensor cos, "
+      "Tensor sin, Tensor? hidden_keys, Tensor[] params, int[] spec, int heads, int kv_heads, int head_dim, "
+      "float scaling, float eps, int lanes) -> (Tensor, Tensor, Tensor)",
+      &draft_layer);
   m.def("row_sums(Tensor x, int lanes) -> Tensor", &row_sums);
   m.def("rms_norm(Tensor hidden, Tensor weight, float eps, int lanes) -> Tensor", &norm_step);
   m.def("rotary(Tensor states, Tensor cos, Tensor sin, int lanes) -> Tensor", &rotary_step);
