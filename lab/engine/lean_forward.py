@@ -127,6 +127,13 @@ def layer_forward(layer: LlamaDecoderLayer, hidden, position_embeddings, mask, c
     return hidden + mlp_block(layer.mlp, layer.post_attention_layernorm.forward(hidden))
 
 
+def _causal_mask(config, embeds, attention_mask, cache, position_ids):
+    """transformers' attention mask of a forward (what `LlamaModel.forward` builds)."""
+    return create_causal_mask(
+        config=config, inputs_embeds=embeds, attention_mask=attention_mask, cache=cache, position_ids=position_ids
+    )
+
+
 @torch.inference_mode()
 def lean_forward(
     model: LlamaForCausalLM,
@@ -151,16 +158,19 @@ def lean_forward(
     embeds = decoder.embed_tokens(input_ids)
     if position_ids is None:
         position_ids = (torch.arange(embeds.shape[1], device=embeds.device) + cache.get_seq_length()).unsqueeze(0)
-    mask = create_causal_mask(
-        config=config, inputs_embeds=embeds, attention_mask=attention_mask, cache=cache, position_ids=position_ids
-    )
     position_embeddings = decoder.rotary_emb.forward(embeds, position_ids=position_ids)
-    interface = attention_interface(config)
+    # the op reads the mask only through its hidden keys, and for these forwards without building it:
+    # create_causal_mask returns a 4D mask as it is, and one new row without a padding mask sees every key
+    given = attention_mask is None and embeds.shape[1] == 1 or attention_mask is not None and attention_mask.dim() == 4
+    mask = attention_mask if native and given else _causal_mask(config, embeds, attention_mask, cache, position_ids)
     from_op = decoder_layers(model, embeds, cache, position_embeddings, mask, output_hidden_states) if native else None
     if from_op is not None:  # the same ops from C++ (lab.engine.native_forward)
         hidden, layer_outputs = from_op
         recorded = None if layer_outputs is None else [embeds, *layer_outputs[:-1], hidden]
     else:
+        if native and given:  # the op did not take it: the Python loop's mask
+            mask = _causal_mask(config, embeds, attention_mask, cache, position_ids)
+        interface = attention_interface(config)
         hidden = embeds
         recorded = [embeds] if output_hidden_states else None
         for layer in decoder.layers[: config.num_hidden_layers]:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import operator
 import os
 import sys
 import threading
@@ -236,12 +237,33 @@ def _group(owner: nn.Module, names: tuple[str, ...], params: list, spec: list) -
 
 @dataclass
 class _Plan:
-    """The flat parameter list and integer spec `decoder_layers` reads, and the modules they were read from."""
+    """The flat parameter list and integer spec `decoder_layers` reads, the modules they were read from, and the
+    count of assignments (`_assignments`) at which the plan was last found current."""
 
     sources: tuple
     params: list
     spec: list
     eps: float
+    checked: int = -1
+
+
+_assignments = 0  # submodules, parameters and buffers assigned to any nn.Module of this process so far
+
+
+def _assigned(module, name, value) -> None:
+    """nn.Module's global registration hook (every `module.name = value` of a submodule, parameter or buffer):
+    counts the assignment, so a plan checked since the last one needs no new check (a module replaced in place
+    is an assignment; a forward of a model whose modules nobody touched skips `_sources`' walk of every layer)."""
+    global _assignments
+    _assignments += 1
+
+
+for _register in (
+    nn.modules.module.register_module_module_registration_hook,
+    nn.modules.module.register_module_parameter_registration_hook,
+    nn.modules.module.register_module_buffer_registration_hook,
+):
+    _register(_assigned)
 
 
 def _sources(model) -> tuple:
@@ -290,14 +312,22 @@ def _build_plan(model, sources: tuple) -> _Plan | None:
     return _Plan(sources, params, [int(v) for v in spec], float(eps))
 
 
-def _plan(model) -> _Plan | None:
-    sources = _sources(model)
-    plan = model.__dict__.get("_lab_native_plan")
-    stale = plan is None or len(plan.sources) != len(sources)
-    if stale or any(a is not b for a, b in zip(plan.sources, sources, strict=True)):
-        plan = _build_plan(model, sources) or _Plan(sources, [], [], 0.0)  # an empty plan: unsupported
-        model.__dict__["_lab_native_plan"] = plan
+def _current(owner: nn.Module, sources_of, build) -> _Plan | None:
+    """The plan cached on `owner`, checked against `sources_of(owner)` (rebuilt by `build(owner, sources)` when a
+    source changed) unless nothing was assigned to any module since its last check; None when it is empty (the op
+    does not run these modules)."""
+    plan = owner.__dict__.get("_lab_native_plan")
+    if plan is None or plan.checked != _assignments:
+        checked, sources = _assignments, sources_of(owner)
+        if plan is None or len(plan.sources) != len(sources) or any(map(operator.is_not, plan.sources, sources)):
+            plan = build(owner, sources) or _Plan(sources, [], [], 0.0)  # an empty plan: unsupported
+            owner.__dict__["_lab_native_plan"] = plan
+        plan.checked = checked
     return plan if plan.params else None
+
+
+def _plan(model) -> _Plan | None:
+    return _current(model, _sources, _build_plan)
 
 
 def _takes(model, embeds: torch.Tensor, cache) -> bool:
@@ -416,16 +446,16 @@ def _draft_sources(layer: nn.Module) -> tuple:
     )
 
 
+def _build_draft_plan(layer: nn.Module, sources: tuple) -> _Plan | None:
+    norm = layer.post_attention_layernorm
+    params, spec = [norm.weight], []
+    if not _layer_linears(layer, params, spec):
+        return None
+    return _Plan(sources, params, [int(v) for v in spec], float(norm.variance_epsilon))
+
+
 def _draft_plan(layer: nn.Module) -> _Plan | None:
-    sources = _draft_sources(layer)
-    plan = layer.__dict__.get("_lab_native_plan")
-    if plan is None or any(a is not b for a, b in zip(plan.sources, sources, strict=True)):
-        norm = layer.post_attention_layernorm
-        params, spec = [norm.weight], []
-        taken = _layer_linears(layer, params, spec)
-        plan = _Plan(sources, params if taken else [], [int(v) for v in spec], float(norm.variance_epsilon))
-        layer.__dict__["_lab_native_plan"] = plan
-    return plan if plan.params else None
+    return _current(layer, _draft_sources, _build_draft_plan)
 
 
 def draft_layer(layer: nn.Module, residual, attention_input, cache, position_embeddings, mask) -> torch.Tensor | None:
