@@ -322,8 +322,8 @@ def test_decode_steps_without_the_op_step_each_sequence(monkeypatch) -> None:
         runtime.decode_steps([], [])
 
 
-def _draft_heads(precision: str):
-    """A bf16 tiny target at `precision` and its EAGLE-1 and EAGLE-3 heads (random weights), served as
+def _draft_heads(precision: str) -> dict:
+    """The EAGLE-1 and EAGLE-3 heads (random weights) of a bf16 tiny target at `precision`, served as
     lab.heads.eagle.serving_head serves them (low-bit linears: the op's draft_layer takes them)."""
     model = tiny_llama(3, layers=8, hidden=64).to(torch.bfloat16)
     quantize_model(model, precision, torch.bfloat16)
@@ -338,7 +338,7 @@ def _draft_heads(precision: str):
         for parameter in eagle1.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter.float()).to(parameter.dtype))
     heads = {"eagle1": eagle1, "eagle3": eagle3.to(torch.bfloat16).eval()}
-    return target, {kind: serving_head(head, target) for kind, head in heads.items()}
+    return {kind: serving_head(head, target) for kind, head in heads.items()}
 
 
 def _drafting(head, width: int, native: bool, monkeypatch):
@@ -362,8 +362,7 @@ def test_a_draft_heads_layer_runs_as_one_call(kind, precision, monkeypatch) -> N
     its keys and values are the Python layer's bit for bit (the same products and rotary embedding), its outputs
     the Python layer's up to the attention's rounding (the op's exact float64 attention where the Python layer
     runs SDPA); a float head, and every head with the switch off, keep the Python layer."""
-    _, heads = _draft_heads(precision)
-    head = heads[kind]
+    head = _draft_heads(precision)[kind]
     width = head.fc.in_features if kind == "eagle3" else 64
     calls: list[int] = []
     real = torch.ops.decoding_lab.draft_layer

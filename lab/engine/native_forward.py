@@ -330,6 +330,12 @@ def _plan(model) -> _Plan | None:
     return _current(model, _sources, _build_plan)
 
 
+def _attention_shape(attn: nn.Module) -> tuple[int, int, int, float]:
+    """The op's attention arguments of a layer's attention module: heads, kv heads, head dim, scaling."""
+    config = attn.config
+    return config.num_attention_heads, config.num_key_value_heads, attn.head_dim, float(attn.scaling)
+
+
 def _takes(model, embeds: torch.Tensor, cache) -> bool:
     """Whether this forward is one the op computes exactly (module docstring)."""
     batch, tokens = embeds.shape[:2]
@@ -360,7 +366,6 @@ def decoder_layers(model, embeds, cache, position_embeddings, mask, record: bool
     if plan is None:
         return None
     attn = model.model.layers[0].self_attn
-    config = model.config
     tokens = embeds.shape[1]
     hidden_keys = invariance._hidden_keys(mask, tokens, cache.get_seq_length() + tokens)
     cos, sin = position_embeddings
@@ -374,10 +379,7 @@ def decoder_layers(model, embeds, cache, position_embeddings, mask, record: bool
         hidden_keys,
         plan.params,
         plan.spec,
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        attn.head_dim,
-        float(attn.scaling),
+        *_attention_shape(attn),
         plan.eps,
         record,
         lanes(),
@@ -407,7 +409,6 @@ def decode_steps(model, embeds: torch.Tensor, caches: list, position_embeddings)
     if plan is None:
         return None
     attn = model.model.layers[0].self_attn
-    config = model.config
     layers = range(len(model.model.layers))
     cos, sin = position_embeddings
     normed, keys, values, _ = torch.ops.decoding_lab.decoder_layers(
@@ -419,10 +420,7 @@ def decode_steps(model, embeds: torch.Tensor, caches: list, position_embeddings)
         None,
         plan.params,
         plan.spec,
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        attn.head_dim,
-        float(attn.scaling),
+        *_attention_shape(attn),
         plan.eps,
         False,
         lanes(),
@@ -478,7 +476,6 @@ def draft_layer(layer: nn.Module, residual, attention_input, cache, position_emb
     plan = _draft_plan(layer)
     if plan is None:
         return None
-    config = attn.config
     tokens = residual.shape[1]
     hidden_keys = invariance._hidden_keys(mask, tokens, kv.keys.shape[-2] + tokens)
     cos, sin = position_embeddings
@@ -492,10 +489,7 @@ def draft_layer(layer: nn.Module, residual, attention_input, cache, position_emb
         hidden_keys,
         plan.params,
         plan.spec,
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        attn.head_dim,
-        float(attn.scaling),
+        *_attention_shape(attn),
         plan.eps,
         lanes(),
     )
