@@ -230,3 +230,31 @@ def test_the_position_status_says_which_token_is_shown_until_the_end():
     assert position_status(trace, trace_at_token(trace, 1)) == "token 1 of 2 shown"
     assert position_status(trace, trace_at_token(trace, 2)) == ""  # the end: the run's own stop reason
     assert position_status(trace, trace_at_token(trace, 2), "stopped by you") == "stopped by you"
+
+
+def test_a_runs_pace_control_is_not_live_once_its_final_update_goes_out(monkeypatch):
+    """◀ / ▶ step through a finished run unless its session's control is live; Gradio runs the run handler's
+    cleanup only when it asks the generator for the next item, after the browser already shows the final update, so
+    the Run tab's stream clears `live` before it yields that update (tests/e2e's keyboard test once pressed in
+    between and lost its presses)."""
+    from lab.engine.models import EMBEDDED_MODEL
+    from ui import run_tab
+
+    events = [token(0, "a"), token(1, "b"), RunFinished(2, "max_new_tokens", 0.1, 0, 2)]
+    trace = Trace("greedy", EMBEDDED_MODEL, "a prompt", {"max_new_tokens": 2}, events)
+    control = PaceControl(live=True)
+    seen_live = []
+
+    def stream(request, deadline, point=None, control=None):
+        yield trace, False, "running", trace
+        seen_live.append(control.live)
+        yield trace, True, "done", trace
+
+    monkeypatch.setattr(run_tab, "stream_trace", stream)
+    updates = run_tab.stream_outputs("greedy", "a prompt", {"max_new_tokens": 2}, False, 0, EMBEDDED_MODEL, "cpu",
+                                     "auto", control=control)  # fmt: skip
+    next(updates)  # loading
+    next(updates)  # a streamed render: still live
+    final = next(updates)  # not resumed after this: the state Gradio is in while the browser shows it
+    assert seen_live == [True] and control.live is False
+    assert final[-1]["request"].strategy.name == "greedy" and final[-1]["trace"] is trace

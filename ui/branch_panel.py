@@ -106,6 +106,7 @@ def branch_run(request: gr.Request, state: dict | None, at, choice, typed: str, 
             run_id = uuid.uuid4().hex
             nodes = _with_branch(runs, state, run_id, point, full.text)
             branch_state = {"id": run_id, "trace": full, "path": path, "status": status, "request": state["request"]}
+            control.live = False  # before the final update goes out (ui.run_tab.stream_outputs says why)
             yield [view, stats_line(shown, status), original, title, run_tree_html(nodes), nodes, branch_state]
     finally:
         control.live = False

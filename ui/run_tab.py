@@ -61,7 +61,9 @@ def stream_outputs(
     control=None,
 ):
     """Validate, then stream throttled renders of the strategy's events until it ends, is stopped or times out;
-    with a PaceControl the renders follow its pace (the run itself is not slowed)."""
+    with a PaceControl the renders follow its pace (the run itself is not slowed), and the control stops being live
+    before the final update goes out: Gradio resumes a generator (and runs its caller's cleanup) only after the
+    browser has that update, and a ◀ / ▶ pressed in between would otherwise go to the finished run's pacer."""
     options = {"chat": chat, "seed": seed, "model": model, "device": device, "dtype": dtype, "precision": precision}
     request = checked_request(strategy, prompt, params, **options)
     loading = stats_markdown(new_trace(request), f"loading {request.model} …")
@@ -71,6 +73,8 @@ def stream_outputs(
         if final:
             update[-1]["request"] = request
             update[2] = stats_markdown(shown, status, *speed_stats(shown, request))
+            if control is not None:
+                control.live = False
         yield update
 
 
