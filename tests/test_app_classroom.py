@@ -235,8 +235,8 @@ def test_the_position_status_says_which_token_is_shown_until_the_end():
 def test_a_runs_pace_control_is_not_live_once_its_final_update_goes_out(monkeypatch):
     """◀ / ▶ step through a finished run unless its session's control is live; Gradio runs the run handler's
     cleanup only when it asks the generator for the next item, after the browser already shows the final update, so
-    the Run tab's stream clears `live` before it yields that update (tests/e2e's keyboard test once pressed in
-    between and lost its presses)."""
+    the Run tab's stream clears `live` before it yields that update (a press in between was lost: the likely cause
+    of one timeout of tests/e2e's keyboard test, not reproduced)."""
     from lab.engine.models import EMBEDDED_MODEL
     from ui import run_tab
 
