@@ -1,2 +1,2 @@
 """Command-line tools: `python -m lab` (cli), the benchmark and its reference rows, Measure, the Mirostat
-evaluation and EAGLE's tree-size tuning."""
+evaluation, EAGLE's tree-size tuning and prompt lookup's draft-length replay."""

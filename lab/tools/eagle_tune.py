@@ -41,22 +41,30 @@ from lab.speculative.tree import TreeSettings, tree_loop
 from lab.trace import EagleDraft, TreeRound
 
 
-def verify_times(loaded, sizes: list[int], context: int = 200, repeats: int = 5) -> dict[int, float]:
-    """Seconds of one tree-verify forward over 1 + N tokens after `context` cached positions plus the KV compaction,
-    min over repeats (row-invariant, as the strategy verifies: without `rows_invariant` a multi-token forward takes
-    the prefill path instead)."""
+def verify_times(
+    loaded, sizes: list[int], context: int = 200, repeats: int = 5, *, chain: bool = False
+) -> dict[int, float]:
+    """Seconds of one verify forward over 1 + N tokens after `context` cached positions plus its commit, min over
+    repeats, as `lab.speculative.verify` runs them (row-invariant: without `rows_invariant` a multi-token forward
+    takes the prefill path instead): a tree with the hidden states EAGLE's head reads and the KV compaction, or
+    (`chain`) a causal chain without features, cropped (speculative decoding's verify)."""
     ids = loaded.encode("Explain how a bicycle works, step by step.") + [100] * context
     state, _ = runtime.prefill(loaded, ids[: max(context, 1)])
     n0, best = state.length, {n: float("inf") for n in sizes}
     for _ in range(repeats):
         for n in sizes:
-            parents = [-1] + [(i - 1) // 4 for i in range(1, n + 1)]
+            tokens = [100 + i for i in range(n + 1)]
             start = time.perf_counter()
-            with rows_invariant(loaded):  # as the strategy's verifier runs it (lab.speculative.verify)
-                runtime.verify_tree(
-                    state, build_tree_attention(parents), [100 + i for i in range(n + 1)], hidden_states=True
-                )
-            runtime.select(state, list(range(n0)) + [n0, n0 + 1])
+            with rows_invariant(loaded):
+                if chain:
+                    runtime.verify(state, tokens)
+                else:
+                    parents = [-1] + [(i - 1) // 4 for i in range(1, n + 1)]
+                    runtime.verify_tree(state, build_tree_attention(parents), tokens, hidden_states=True)
+            if chain:
+                runtime.crop(state, min(n0 + 2, state.length))  # the root and one kept token
+            else:
+                runtime.select(state, list(range(n0)) + [n0, n0 + 1])
             best[n] = min(best[n], time.perf_counter() - start)
             runtime.crop(state, n0)
     return best
