@@ -165,15 +165,19 @@ def test_without_the_op_forwards_take_the_python_loop(monkeypatch, op_calls) -> 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_attention_loop_equals_exact_attention(dtype, variant, layout) -> None:
     """Scores are exact in float64, so the loop and exact_attention's batched products round to the same values
-    (module docstrings); masked keys, grouped heads, many rows and keys. "best" is the AVX-512 loop for bf16 on a
-    CPU that has it (lab/engine/native/attention_avx512.cpp), "portable" the loop every CPU runs; "cache view": keys
-    and values as the op's caches hold them, the first positions of a longer buffer (heads further apart)."""
+    (module docstrings); masked keys, grouped heads or not, one to 24 query rows per kv head (up to four: the values
+    widened in registers; more: widened once), many keys. "best" is the AVX-512 loop for bf16 on a CPU that has it
+    (lab/engine/native/attention_avx512.cpp), "portable" the loop every CPU runs; "cache view": keys and values as
+    the op's caches hold them, the first positions of a longer buffer (heads further apart)."""
     torch.manual_seed(0)
     tree = build_tree_attention([-1, 0, 0, 1, 1, 2, 3, 3])
     code = {"best": -1, "portable": 0}[variant]
-    for rows, past, mask in [(1, 200, None), (3, 50, "causal"), (8, 100, "tree"), (1, 5, None), (2, 30, "causal")]:
+    # (query rows, cached keys, mask, query heads): 3 kv heads, so 1 to 24 rows per kv head, key counts with tails
+    cases = [(1, 200, None, 9), (3, 50, "causal", 9), (8, 100, "tree", 9), (1, 5, None, 9), (2, 30, "causal", 9)]
+    cases += [(1, 13, None, 6), (4, 61, "causal", 3), (1, 1000, None, 3), (8, 7, "tree", 3)]
+    for rows, past, mask, heads in cases:
         keys = past + rows
-        q = torch.randn(1, 9, rows, 64).to(dtype)
+        q = torch.randn(1, heads, rows, 64).to(dtype)
         room = 0 if layout == "contiguous" else 37
         k, v = (torch.randn(1, 3, keys + room, 64).to(dtype)[:, :, :keys] for _ in range(2))
         attention_mask = tree.attention_mask(past) if mask == "tree" else None

@@ -8,8 +8,10 @@
 //   rounds double -> float -> bf16.
 // What differs is the work: the cache is read as bf16 in place for any number of rows (the portable loop widens the
 // whole cache to float64 for a verify forward), and each key and value is widened once per kv head and used for all
-// of its query rows (the heads that share it times the T rows) instead of once per row. A row's numbers do not depend
-// on the other rows, on T or on the thread count: threads split keys (scores) and value columns, never a sum.
+// of its query rows (the heads that share it times the T rows) instead of once per row (values: up to four rows, as
+// in a decode step, widen each value in registers where they use it; more rows widen them into a buffer once). A
+// row's numbers do not depend on the other rows, on T or on the thread count: threads split keys (scores) and value
+// columns, never a sum.
 #include "attention.h"
 #include "bf16_avx512.h"
 
@@ -79,11 +81,41 @@ __attribute__((target("avx512f"))) void values_rows(const double* weights, int64
   }
 }
 
-// every row's weighted sum of values for chunks [c0, c0 + C) of the head dim (the values widened once, then the
-// rows in blocks of four)
+// the same sums for R <= 4 rows with each value widened where it is used (no widened copy of the values)
+template <int RB, int C>
+__attribute__((target("avx512f"))) void values_few_rows(const double* weights, const uint16_t* v, int64_t dim,
+                                                      int64_t keys, double* acc, int64_t c0) {
+  __m512d sum[RB][C];
+  for (int r = 0; r < RB; ++r) {
+    for (int c = 0; c < C; ++c) sum[r][c] = _mm512_setzero_pd();
+  }
+  for (int64_t s = 0; s < keys; ++s) {
+    __m512d value[C];
+    for (int c = 0; c < C; ++c) value[c] = widen8(v + s * dim + (c0 + c) * kLanes);
+    for (int r = 0; r < RB; ++r) {
+      const double w = weights[r * keys + s];
+      if (w == 0) continue;  // a masked key (or an underflowed weight) adds exactly nothing
+      const __m512d weight = _mm512_set1_pd(w);
+      for (int c = 0; c < C; ++c) sum[r][c] = _mm512_add_pd(sum[r][c], _mm512_mul_pd(weight, value[c]));
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    for (int c = 0; c < C; ++c) _mm512_storeu_pd(acc + r * dim + (c0 + c) * kLanes, sum[r][c]);
+  }
+}
+
+// every row's weighted sum of values for chunks [c0, c0 + C) of the head dim: up to four rows widen each value where
+// they use it; more rows widen the values once, then take them in blocks of four
 template <int C>
 __attribute__((target("avx512f"))) void values_block(const double* weights, int64_t R, const uint16_t* v,
                                                    int64_t dim, int64_t keys, int64_t c0, double* acc) {
+  switch (R) {
+    case 1: return values_few_rows<1, C>(weights, v, dim, keys, acc, c0);
+    case 2: return values_few_rows<2, C>(weights, v, dim, keys, acc, c0);
+    case 3: return values_few_rows<3, C>(weights, v, dim, keys, acc, c0);
+    case 4: return values_few_rows<4, C>(weights, v, dim, keys, acc, c0);
+    default: break;
+  }
   thread_local std::vector<double> widened;
   widened.resize(keys * C * kLanes);
   for (int64_t s = 0; s < keys; ++s) {
