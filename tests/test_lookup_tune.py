@@ -54,12 +54,11 @@ def test_the_replay_counts_the_real_strategys_rounds(tiny, repeating_prompt_ids)
     import torch
 
     from lab.params import build_params
-    from lab.registry import collect
+    from lab.registry import collect, get_strategy
     from lab.speculative.params import ChainParams
     from lab.tools.eagle_tune import verify_times
     from lab.tools.lookup_tune import greedy_outputs
     from lab.trace.speculative import DraftRound
-    from strategies import get_strategy
 
     outputs = greedy_outputs(tiny, [repeating_prompt_ids], 40)
     speculative = get_strategy("speculative")

@@ -30,7 +30,7 @@ from lab.app.builtin_prompts import load_prompts
 from lab.engine.models import load_model
 from lab.engine.sampling import SamplingConfig
 from lab.params import build_params
-from lab.registry import collect
+from lab.registry import collect, get_strategy
 from lab.speculative.draft import DraftContext
 from lab.speculative.params import ChainParams
 from lab.speculative.proposers.prompt_lookup import PromptLookupProposer, lookup_match
@@ -119,8 +119,6 @@ def measured(step_s: float, verify_s: dict[int, float]) -> Callable[[int], float
 
 
 def greedy_outputs(loaded, prompts: list[list[int]], max_new_tokens: int) -> list[Output]:
-    from strategies import get_strategy
-
     greedy = get_strategy("greedy")
     params = build_params(greedy.Params, {"max_new_tokens": max_new_tokens})
     out = []
