@@ -57,50 +57,30 @@ __attribute__((target("avx512f"))) void scores_block(const double* q, int64_t R,
 }
 
 // acc[r, columns] = sum over s in order of weights[r, s] * v[s, columns] for chunks [c0, c0 + C) of the head dim, for
-// the rows [r0, r0 + RB): the accumulators stay in registers and each value is widened once per block of rows
-template <int RB, int C>
-__attribute__((target("avx512f"))) void values_rows(const double* weights, int64_t r0, const double* widened,
-                                                  int64_t keys, double* acc, int64_t dim, int64_t c0) {
-  __m512d sum[RB][C];
-  for (int r = 0; r < RB; ++r) {
-    for (int c = 0; c < C; ++c) sum[r][c] = _mm512_setzero_pd();
-  }
-  for (int64_t s = 0; s < keys; ++s) {
-    const double* value = widened + s * C * kLanes;
-    for (int r = 0; r < RB; ++r) {
-      const double w = weights[(r0 + r) * keys + s];
-      if (w == 0) continue;  // a masked key (or an underflowed weight) adds exactly nothing
-      const __m512d weight = _mm512_set1_pd(w);
-      for (int c = 0; c < C; ++c) {
-        sum[r][c] = _mm512_add_pd(sum[r][c], _mm512_mul_pd(weight, _mm512_loadu_pd(value + c * kLanes)));
-      }
-    }
-  }
-  for (int r = 0; r < RB; ++r) {
-    for (int c = 0; c < C; ++c) _mm512_storeu_pd(acc + (r0 + r) * dim + (c0 + c) * kLanes, sum[r][c]);
-  }
-}
-
-// the same sums for R <= 4 rows with each value widened where it is used (no widened copy of the values)
-template <int RB, int C>
-__attribute__((target("avx512f"))) void values_few_rows(const double* weights, const uint16_t* v, int64_t dim,
-                                                      int64_t keys, double* acc, int64_t c0) {
+// the rows [r0, r0 + RB): the accumulators stay in registers and each value is read once per block of rows, widened
+// here from the bf16 values v (kWiden) or from their widened copy `widened` [keys, C * 8]
+template <int RB, int C, bool kWiden>
+__attribute__((target("avx512f"))) void values_rows(const double* weights, int64_t r0, const uint16_t* v,
+                                                  const double* widened, int64_t keys, double* acc, int64_t dim,
+                                                  int64_t c0) {
   __m512d sum[RB][C];
   for (int r = 0; r < RB; ++r) {
     for (int c = 0; c < C; ++c) sum[r][c] = _mm512_setzero_pd();
   }
   for (int64_t s = 0; s < keys; ++s) {
     __m512d value[C];
-    for (int c = 0; c < C; ++c) value[c] = widen8(v + s * dim + (c0 + c) * kLanes);
+    for (int c = 0; c < C; ++c) {
+      value[c] = kWiden ? widen8(v + s * dim + (c0 + c) * kLanes) : _mm512_loadu_pd(widened + (s * C + c) * kLanes);
+    }
     for (int r = 0; r < RB; ++r) {
-      const double w = weights[r * keys + s];
+      const double w = weights[(r0 + r) * keys + s];
       if (w == 0) continue;  // a masked key (or an underflowed weight) adds exactly nothing
       const __m512d weight = _mm512_set1_pd(w);
       for (int c = 0; c < C; ++c) sum[r][c] = _mm512_add_pd(sum[r][c], _mm512_mul_pd(weight, value[c]));
     }
   }
   for (int r = 0; r < RB; ++r) {
-    for (int c = 0; c < C; ++c) _mm512_storeu_pd(acc + r * dim + (c0 + c) * kLanes, sum[r][c]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_pd(acc + (r0 + r) * dim + (c0 + c) * kLanes, sum[r][c]);
   }
 }
 
@@ -110,10 +90,10 @@ template <int C>
 __attribute__((target("avx512f"))) void values_block(const double* weights, int64_t R, const uint16_t* v,
                                                    int64_t dim, int64_t keys, int64_t c0, double* acc) {
   switch (R) {
-    case 1: return values_few_rows<1, C>(weights, v, dim, keys, acc, c0);
-    case 2: return values_few_rows<2, C>(weights, v, dim, keys, acc, c0);
-    case 3: return values_few_rows<3, C>(weights, v, dim, keys, acc, c0);
-    case 4: return values_few_rows<4, C>(weights, v, dim, keys, acc, c0);
+    case 1: return values_rows<1, C, true>(weights, 0, v, nullptr, keys, acc, dim, c0);
+    case 2: return values_rows<2, C, true>(weights, 0, v, nullptr, keys, acc, dim, c0);
+    case 3: return values_rows<3, C, true>(weights, 0, v, nullptr, keys, acc, dim, c0);
+    case 4: return values_rows<4, C, true>(weights, 0, v, nullptr, keys, acc, dim, c0);
     default: break;
   }
   thread_local std::vector<double> widened;
@@ -122,8 +102,8 @@ __attribute__((target("avx512f"))) void values_block(const double* weights, int6
     for (int c = 0; c < C; ++c) _mm512_storeu_pd(widened.data() + (s * C + c) * kLanes, widen8(v + s * dim + (c0 + c) * kLanes));
   }
   int64_t r0 = 0;
-  for (; r0 + 4 <= R; r0 += 4) values_rows<4, C>(weights, r0, widened.data(), keys, acc, dim, c0);
-  for (; r0 < R; ++r0) values_rows<1, C>(weights, r0, widened.data(), keys, acc, dim, c0);
+  for (; r0 + 4 <= R; r0 += 4) values_rows<4, C, false>(weights, r0, v, widened.data(), keys, acc, dim, c0);
+  for (; r0 < R; ++r0) values_rows<1, C, false>(weights, r0, v, widened.data(), keys, acc, dim, c0);
 }
 
 // the query rows [1, heads, T, dim] of bf16 bits as float64 (exact) in exact_attention's layout [kv_heads, shared * T,
