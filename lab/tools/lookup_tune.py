@@ -52,13 +52,14 @@ def proposer_rule(max_ngram: int, scaled: bool) -> Rule:
 
 
 def without_unigrams(rule_gamma: int | None, max_ngram: int) -> Rule:
-    """Ignore 1-gram matches; draft at most 2n - 1 tokens after an n-gram match (None) or `rule_gamma` tokens."""
+    """Ignore 1-gram matches; otherwise the strategy's rule (None) or the first `rule_gamma` tokens of the match."""
+    scaled = proposer_rule(max_ngram, True)
 
     def draft(tokens: list[int], gamma: int) -> list[int]:
         found, n = lookup_match(tokens, max_ngram, gamma if rule_gamma is None else min(gamma, rule_gamma))
         if n < 2:
             return []
-        return found[: 2 * n - 1] if rule_gamma is None else found
+        return scaled(tokens, gamma) if rule_gamma is None else found
 
     return draft
 
@@ -71,32 +72,38 @@ def kept(draft: Sequence[int], continuation: Sequence[int]) -> int:
     return count
 
 
+def replay_cost(
+    prompt: list[int], output: list[int], rule: Rule, gamma: int, cost: Callable[[int], float], overhead: float = 0.0
+) -> float:
+    """Decode steps the replayed rounds of one output cost (module docstring, step 3); `cost(N)`, cost(0) = 1."""
+    total, i = 0.0, 1  # the first token comes from the prefill, as in greedy decoding
+    while i < len(output):
+        draft = rule(prompt + output[:i], min(gamma, len(output) - i - 1))
+        total += cost(len(draft)) + (overhead if draft else 0.0)
+        i += kept(draft, output[i:]) + 1
+    return total
+
+
 def replay(outputs: list[Output], rule: Rule, gamma: int, cost: Callable[[int], float], overhead: float = 0.0) -> float:
-    """Estimated speedup over greedy (module docstring, steps 3-4); `cost(N)` in decode steps, cost(0) = 1."""
-    tokens, total = 0, 0.0
-    for prompt, output in outputs:
-        i = 1  # the first token comes from the prefill, as in greedy decoding
-        while i < len(output):
-            draft = rule(prompt + output[:i], min(gamma, len(output) - i - 1))
-            total += cost(len(draft)) + (overhead if draft else 0.0)
-            i += kept(draft, output[i:]) + 1
-        tokens += len(output) - 1
+    """Estimated speedup over greedy (module docstring, step 4)."""
+    tokens = sum(len(output) - 1 for _, output in outputs)
+    total = sum(replay_cost(prompt, output, rule, gamma, cost, overhead) for prompt, output in outputs)
     return tokens / total if total else 1.0
 
 
 def oracle(outputs: list[Output], max_ngram: int, gamma: int, cost: Callable[[int], float]) -> float:
     """The same replay drafting only the tokens that will be kept from the lookup's match (module docstring)."""
 
-    def draft(tokens: list[int], budget: int) -> list[int]:
-        found, _ = lookup_match(tokens, max_ngram, budget)
-        return found[: kept(found, continuation[len(tokens) - offset :])]
+    def knowing(prompt: list[int], output: list[int]) -> Rule:
+        def draft(tokens: list[int], budget: int) -> list[int]:
+            found, _ = lookup_match(tokens, max_ngram, budget)
+            return found[: kept(found, output[len(tokens) - len(prompt) :])]
 
-    total_tokens, total = 0, 0.0
-    for prompt, output in outputs:
-        offset, continuation = len(prompt), output
-        total_tokens += len(output) - 1
-        total += (len(output) - 1) / replay([(prompt, output)], draft, gamma, cost)
-    return total_tokens / total if total else 1.0
+        return draft
+
+    tokens = sum(len(output) - 1 for _, output in outputs)
+    total = sum(replay_cost(prompt, output, knowing(prompt, output), gamma, cost) for prompt, output in outputs)
+    return tokens / total if total else 1.0
 
 
 def linear(alpha: float) -> Callable[[int], float]:
